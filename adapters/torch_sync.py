@@ -1,0 +1,435 @@
+"""PacTrain gradient synchronization for raw PyTorch training loops over mpi4py.
+
+:class:`PacTrainSync` wraps a :class:`pacmpi.PacTrainReducer`. Per-parameter hooks
+(``Tensor.register_post_accumulate_grad_hook``) apply the gradient sparsity mask (GSE,
+``G = mask * G``) as soon as a gradient is accumulated and launch a bucket's all-reduce the
+moment its last gradient arrives, while backward still runs; :meth:`PacTrainSync.synchronize`
+(called by hand or by the optimizer step pre-hook that :meth:`PacTrainSync.attach` installs)
+waits, unpacks and averages. The same object runs the baselines (``method="dense"`` / ``"fp16"``)
+so one script measures itself against them. :class:`TopKSync` is the compression baseline:
+TopK sparsification with error feedback, exchanged by an all-gather of (indices, values).
+
+Tensors reach pacmpi zero-copy: CPU tensors as NumPy views (``Tensor.numpy()``), CUDA tensors
+as CuPy arrays via DLPack (CuPy is imported only when a CUDA tensor is seen).
+
+Parameters without a gradient in a step (``p.grad is None`` because the parameter did not take
+part in the forward pass on this rank) are given a zero gradient in :meth:`synchronize`, so every
+rank reduces the same buffers; their buckets are launched only then. A parameter whose
+``.grad`` was kept from an earlier step (``zero_grad(set_to_none=False)``) and that is unused in
+this step contributes that ``.grad`` as it stands.
+"""
+import math
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from pacmpi import DEFAULT_BUCKET_BYTES, MPICollectives, PacTrainReducer
+from pacmpi.adapters.pruning import mask_fingerprint
+
+__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "broadcast_optimizer_state",
+           "broadcast_parameters", "make_sync"]
+
+METHODS = ("dense", "fp16", "pactrain", "pactrain-ternary", "topk")
+# method -> (masks go to the reducer, quantize)
+_REDUCER_MODES = {"dense": (False, None), "fp16": (False, "fp16"),
+                  "pactrain": (True, None), "pactrain-ternary": (True, "ternary")}
+_STAT_KEYS = ("pack_seconds", "comm_seconds", "unpack_seconds", "verify_seconds", "bytes_sent",
+              "dense_elements_equivalent", "packed_reductions", "dense_reductions",
+              "dense_fallbacks", "resyncs")
+
+
+def as_array(tensor):
+    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of ``tensor``, sharing its memory."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    if tensor.device.type == "cuda":
+        import cupy  # only users with CUDA tensors need CuPy
+
+        return cupy.from_dlpack(tensor)
+    raise TypeError(f"tensors on {tensor.device} are not supported (use CPU or CUDA)")
+
+
+def _numpy_dtype(torch_dtype):
+    return torch.empty(0, dtype=torch_dtype).numpy().dtype
+
+
+def _collectives(comm):
+    """A transport on ``comm`` itself (``COMM_WORLD`` by default), without duplicating it."""
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return MPICollectives(comm=comm)
+
+
+# ---------------------------------------------------------------------------------- broadcasts
+def _bcast_tensor(collectives, tensor, root):
+    with torch.no_grad():
+        staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+        # As bytes, so every dtype (int64 counters, bool, bfloat16) travels the same way.
+        collectives.bcast(as_array(staged.view(-1).view(torch.uint8)), root=root)
+        if staged is not tensor:
+            tensor.copy_(staged)
+
+
+def broadcast_parameters(model, *, comm=None, root=0, buffers=True):
+    """Copy ``root``'s parameters (and, with ``buffers``, BatchNorm statistics and other buffers)
+    into every rank's ``model`` in place. Collective."""
+    collectives = _collectives(comm)
+    tensors = list(model.parameters()) + (list(model.buffers()) if buffers else [])
+    for tensor in tensors:
+        _bcast_tensor(collectives, tensor, root)
+
+
+def broadcast_optimizer_state(optimizer, *, comm=None, root=0):
+    """Make every rank's optimizer state (momentum, Adam moments, step counts, hyper-parameters)
+    ``root``'s. Collective; the state travels pickled, so keep it to optimizers of small models
+    or call it once after loading a checkpoint."""
+    import io
+
+    collectives = _collectives(comm)
+    payload = None
+    if collectives.rank == root:
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        payload = buffer.getvalue()
+    payload = collectives.comm.bcast(payload, root=root)
+    if collectives.rank != root:
+        optimizer.load_state_dict(torch.load(io.BytesIO(payload), map_location="cpu",
+                                             weights_only=False))
+
+
+# ---------------------------------------------------------------------------------- base
+class _HookedSync:
+    """Parameter discovery, mask handling (GSE), gradient hooks, step timing and state shared by
+    :class:`PacTrainSync` and :class:`TopKSync`. Subclasses implement ``_grad_ready(i)``
+    (optional early launch), ``_reduce(arrays)`` and ``_engine_state`` / ``_load_engine``."""
+
+    def __init__(self, model, masks, collectives, method):
+        self.model = model
+        self.method = method
+        self.collectives = collectives
+        names = {}
+        for name, param in model.named_parameters():
+            names.setdefault(param, name)
+        # Reverse registration order, like DDP: the last layers' gradients arrive first.
+        self.params = [p for p in names if p.requires_grad][::-1]
+        self.names = [names[p] for p in self.params]
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._masks = [None] * len(self.params)
+        self._pruned = [None] * len(self.params)
+        self._mask_names = {}
+        for key, mask in (masks or {}).items():
+            i = self._resolve(key)
+            param = self.params[i]
+            mask = torch.as_tensor(mask).to(device=param.device, dtype=torch.bool).clone()
+            if mask.shape != param.shape:
+                raise ValueError(f"mask {key!r} has shape {tuple(mask.shape)}, parameter "
+                                 f"{self.names[i]!r} has {tuple(param.shape)}")
+            self._masks[i], self._pruned[i] = mask, ~mask
+            self._mask_names[key] = i
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._arrays = [None] * len(self.params)
+        self._seen = [False] * len(self.params)
+        self._in_step = False
+        self._forward_started = None
+        self._hook_seconds = 0.0
+        self._stats_mark = {}
+        self.last_step = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self.params)]
+        self._handles.append(model.register_forward_pre_hook(self._on_forward))
+
+    def _resolve(self, key):
+        # torch.nn.utils.prune keeps the gradient on "<name>_orig"; masks use "<name>".
+        for candidate in (key, key + "_orig"):
+            if candidate in self._index:
+                return self._index[candidate]
+        raise ValueError(f"mask {key!r} names no trainable parameter of the model")
+
+    # ------------------------------------------------------------------ masks
+    @property
+    def masks(self):
+        """The current masks (bool tensors, shared with the sync), keyed as given."""
+        return {key: self._masks[i] for key, i in self._mask_names.items()}
+
+    def update_masks(self, masks):
+        """Write new masks (e.g. from a pruning schedule) into the sync's mask tensors, in place,
+        so the reducer sees them at its next verification. Every masked name must be given and
+        no new one: to prune a parameter later, pass an all-True mask for it at construction."""
+        if set(masks) != set(self._mask_names):
+            raise ValueError(f"update_masks() needs exactly the masks given at construction: "
+                             f"{sorted(self._mask_names)}, got {sorted(masks)}")
+        with torch.no_grad():
+            for key, i in self._mask_names.items():
+                self._masks[i].copy_(torch.as_tensor(masks[key]).to(torch.bool))
+                torch.logical_not(self._masks[i], out=self._pruned[i])
+
+    # ------------------------------------------------------------------ hooks
+    def _on_forward(self, module, args):
+        if module.training and self._forward_started is None:
+            self._forward_started = time.perf_counter()
+            self._in_step = True
+
+    def _hook(self, i):
+        def hook(param):
+            if self._seen[i]:
+                raise RuntimeError(
+                    f"gradient of {self.names[i]!r} accumulated twice before synchronize(); "
+                    "call synchronize() (or optimizer.step() on an attached optimizer) after "
+                    "every backward")
+            started = time.perf_counter()
+            self._in_step = True
+            self._prepare(i)
+            self._grad_ready(i)
+            self._hook_seconds += time.perf_counter() - started
+
+        return hook
+
+    def _prepare(self, i):
+        param = self.params[i]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if self._pruned[i] is not None:
+            with torch.no_grad():
+                param.grad.masked_fill_(self._pruned[i], 0)  # GSE; masked_fill also zeroes inf/NaN
+        self._arrays[i] = as_array(param.grad)
+        self._seen[i] = True
+
+    def _grad_ready(self, i):
+        """Called once gradient ``i`` is masked and viewed; subclasses may launch work."""
+
+    # ------------------------------------------------------------------ step
+    def synchronize(self):
+        """Finish this step's reduction: gradients of every rank summed (averaged) into
+        ``p.grad``. A no-op when no training forward or backward ran since the last call, so
+        calling it by hand before an attached ``optimizer.step()`` is harmless. Collective."""
+        if not self._in_step:
+            return
+        started = time.perf_counter()
+        for i, seen in enumerate(self._seen):
+            if not seen:
+                self._prepare(i)
+        self._reduce(self._arrays)
+        finished = time.perf_counter()
+        # Deltas since the previous step, so work launched from the hooks is counted too.
+        step = {key: self.stats[key] - self._stats_mark.get(key, 0) for key in _STAT_KEYS}
+        self._stats_mark = dict(self.stats)
+        forward = self._forward_started if self._forward_started is not None else started
+        step.update(compute_seconds=max(0.0, started - forward - self._hook_seconds),
+                    hook_seconds=self._hook_seconds, wait_seconds=finished - started,
+                    dense_bytes=self.dense_bytes)
+        self.last_step = step
+        self._arrays = [None] * len(self.params)
+        self._seen = [False] * len(self.params)
+        self._in_step = False
+        self._forward_started = None
+        self._hook_seconds = 0.0
+
+    def attach(self, optimizer):
+        """Run :meth:`synchronize` before every ``optimizer.step()``; returns the hook handle."""
+        handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.synchronize())
+        self._handles.append(handle)
+        return handle
+
+    def remove(self):
+        """Remove every hook this sync installed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        """Method, world size, masks (CPU bool tensors) with their SHA-256 fingerprint, and the
+        reduction engine's state (tracker, error-feedback residuals, step, counters)."""
+        masks = {key: mask.detach().cpu().clone() for key, mask in self.masks.items()}
+        return {"method": self.method, "world_size": self.collectives.size, "masks": masks,
+                "fingerprint": mask_fingerprint(masks) if masks else None,
+                "engine": self._engine_state()}
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output (collective). Masks are written in place and checked
+        against their fingerprint. At another world size the per-rank error-feedback residuals
+        cannot carry over: they are reset, with a warning."""
+        if state["method"] != self.method:
+            raise ValueError(f"checkpoint was taken with method {state['method']!r}, this sync "
+                             f"runs {self.method!r}")
+        masks = state["masks"]
+        if (mask_fingerprint(masks) if masks else None) != state["fingerprint"]:
+            raise ValueError("checkpoint masks do not match their fingerprint (corrupt file?)")
+        if masks:
+            self.update_masks(masks)
+        if state["world_size"] != self.collectives.size and self._has_residuals(state["engine"]):
+            warnings.warn(f"resuming {self.method} at world size {self.collectives.size} from a "
+                          f"checkpoint taken at {state['world_size']}: error-feedback residuals "
+                          "are per-rank and restart from zero", RuntimeWarning, stacklevel=2)
+        self._load_engine(state["engine"], same_world=state["world_size"] == self.collectives.size)
+        self._stats_mark = dict(self.stats)
+
+    @staticmethod
+    def _has_residuals(engine_state):
+        return bool(engine_state.get("residuals"))
+
+
+# ---------------------------------------------------------------------------------- PacTrain
+class PacTrainSync(_HookedSync):
+    """Hook-driven PacTrain all-reduce of a model's gradients.
+
+    Parameters
+    ----------
+    model:
+        The ``torch.nn.Module``; every parameter with ``requires_grad`` is synchronized,
+        bucketed in reverse registration order (as DDP does) so early buckets complete first.
+    comm:
+        mpi4py communicator (default: a duplicate of ``COMM_WORLD``).
+    masks:
+        ``{name: bool tensor}`` keep-masks, e.g. from :func:`pacmpi.adapters.pruning.prune`
+        (``"fc.weight"`` also matches torch-prune's ``"fc.weight_orig"``). Gradients are
+        masked (GSE) whatever the method; ``None``: no masks, dense.
+    method:
+        ``"pactrain"`` (only surviving coordinates are sent), ``"pactrain-ternary"`` (those,
+        ternary-quantized with error feedback), ``"dense"`` (plain all-reduce of whole
+        gradients) or ``"fp16"`` (whole gradients as float16).
+    bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average:
+        Passed to :class:`pacmpi.PacTrainReducer`.
+    collectives:
+        Another :class:`pacmpi.Collectives` transport instead of ``comm``.
+    """
+
+    def __init__(self, model, *, comm=None, masks=None, method="pactrain",
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
+                 stable_steps=1, seed=0, average=True, collectives=None):
+        if method not in _REDUCER_MODES:
+            raise ValueError(f"method must be one of {tuple(_REDUCER_MODES)}, got {method!r}"
+                             + ("; use TopKSync for 'topk'" if method == "topk" else ""))
+        super().__init__(model, masks, None, method)
+        send_masks, quantize = _REDUCER_MODES[method]
+        reducer_masks = [as_array(m) if (send_masks and m is not None) else None
+                         for m in self._masks]
+        self.reducer = PacTrainReducer(
+            reducer_masks, comm=comm, collectives=collectives, quantize=quantize,
+            average=average, bucket_bytes=bucket_bytes, verify_every=verify_every,
+            on_mismatch=on_mismatch, stable_steps=stable_steps, seed=seed,
+            shapes=[tuple(p.shape) for p in self.params],
+            dtypes=[_numpy_dtype(p.dtype) for p in self.params])
+        self.collectives = self.reducer.collectives
+        layout = self.reducer.layout
+        self._bucket_of = [layout.bucket_of(i) for i in range(len(self.params))]
+        self._missing = [len(b.members) for b in layout.buckets]
+
+    @property
+    def stats(self):
+        """The reducer's cumulative counters (see :class:`pacmpi.PacTrainReducer`)."""
+        return self.reducer.stats
+
+    def _grad_ready(self, i):
+        b = self._bucket_of[i]
+        self._missing[b] -= 1
+        if self._missing[b] == 0:
+            self.reducer.mark_ready(b, self._arrays)
+
+    def _reduce(self, arrays):
+        self.reducer.wait(arrays)
+        self._missing = [len(b.members) for b in self.reducer.layout.buckets]
+
+    def _engine_state(self):
+        return self.reducer.state_dict()
+
+    def _load_engine(self, state, same_world):
+        self.reducer.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------- TopK
+class TopKSync(_HookedSync):
+    """TopK sparsification with error feedback: the compression baseline PacTrain is compared
+    with. Each rank adds its residual to its (masked) gradient, keeps the ``ratio`` largest
+    magnitudes of the whole model (at least one), remembers the rest as its new residual, and
+    all ranks all-gather (indices, values) and scatter-add them. Indices and values travel
+    through host memory (they are small); nothing overlaps with backward, since a global TopK
+    needs the whole gradient.
+
+    Parameters: ``model``, ``comm``, ``masks``, ``average`` as for :class:`PacTrainSync`;
+    ``ratio`` the kept fraction (0.01 = 1%); ``error_feedback`` keeps the residual.
+    """
+
+    def __init__(self, model, *, comm=None, masks=None, ratio=0.01, average=True,
+                 error_feedback=True):
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD.Dup()
+        super().__init__(model, masks, MPICollectives(comm=comm), "topk")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise TypeError(f"TopKSync needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.comm, self.ratio = comm, float(ratio)
+        self.average, self.error_feedback = bool(average), bool(error_feedback)
+        self.numel = sum(p.numel() for p in self.params)
+        self.k = max(1, math.ceil(self.ratio * self.numel))
+        self._residual = None
+        self.stats = {"steps": 0, "bytes_sent": 0, "dense_elements_equivalent": 0,
+                      "packed_reductions": 0, "dense_reductions": 0, "dense_fallbacks": 0,
+                      "resyncs": 0, "verify_seconds": 0.0, "pack_seconds": 0.0,
+                      "comm_seconds": 0.0, "unpack_seconds": 0.0}
+
+    def _reduce(self, arrays):
+        started = time.perf_counter()
+        grads = [p.grad for p in self.params]
+        with torch.no_grad():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.error_feedback and self._residual is not None:
+                flat += self._residual
+            indices = torch.topk(flat.abs(), self.k, sorted=False).indices
+            values = flat[indices]
+            if self.error_feedback:
+                flat[indices] = 0
+                self._residual = flat
+            send_i = indices.to(torch.int64).cpu().numpy()
+            send_v = values.cpu().numpy()
+            recv_i = np.empty(self.k * self.collectives.size, dtype=send_i.dtype)
+            recv_v = np.empty(self.k * self.collectives.size, dtype=send_v.dtype)
+            self.stats["pack_seconds"] += time.perf_counter() - started
+            started = time.perf_counter()
+            self.comm.Allgather(send_i, recv_i)
+            self.comm.Allgather(send_v, recv_v)
+            self.stats["comm_seconds"] += time.perf_counter() - started
+            started = time.perf_counter()
+            device = grads[0].device
+            total = torch.zeros(self.numel, dtype=grads[0].dtype, device=device)
+            total.index_add_(0, torch.from_numpy(recv_i).to(device),
+                             torch.from_numpy(recv_v).to(device))
+            if self.average and self.collectives.size > 1:
+                total /= self.collectives.size
+            offset = 0
+            for g in grads:
+                g.copy_(total[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            self.stats["unpack_seconds"] += time.perf_counter() - started
+        self.stats["bytes_sent"] += send_i.nbytes + send_v.nbytes
+        self.stats["dense_elements_equivalent"] += self.numel
+        self.stats["packed_reductions"] += 1
+        self.stats["steps"] += 1
+
+    def _engine_state(self):
+        residuals = {} if self._residual is None else {0: self._residual.detach().cpu().clone()}
+        return {"residuals": residuals, "stats": dict(self.stats), "k": self.k}
+
+    def _load_engine(self, state, same_world):
+        if state["k"] != self.k:
+            raise ValueError(f"checkpoint has k={state['k']}, this sync keeps k={self.k}")
+        residual = state["residuals"].get(0) if same_world else None
+        self._residual = None if residual is None else residual.to(self.params[0].device).clone()
+        self.stats = dict(state["stats"])
+
+
+def make_sync(model, method, *, comm=None, masks=None, topk_ratio=0.01, **kwargs):
+    """A :class:`TopKSync` for ``method="topk"``, else a :class:`PacTrainSync`; ``kwargs`` go to
+    :class:`PacTrainSync` (ignored knobs of the other class are an error, not silently dropped)."""
+    if method == "topk":
+        return TopKSync(model, comm=comm, masks=masks, ratio=topk_ratio, **kwargs)
+    return PacTrainSync(model, comm=comm, masks=masks, method=method, **kwargs)

@@ -1,0 +1,464 @@
+"""``pacmpi train``: pretrain a small CNN densely, prune it, and fine-tune it data-parallel with
+PacTrain (or a baseline) over MPI -- the product's main job.
+
+Steps: (1) pretrain densely on rank 0 (the other ranks wait without spinning) or load the
+``--pretrained`` cache; (2) broadcast the weights; (3) prune to ``--ratio`` (rank 0 decides and
+broadcasts the masks) or follow a ``--gradual`` schedule; (4) fine-tune with gradient sparsity
+enforcement (:class:`~pacmpi.adapters.pruning.MaskEnforcer`) and the chosen gradient
+synchronization (``--method``); (5) after every epoch broadcast rank 0's BatchNorm statistics and
+report test accuracy, the step-time split (compute / pack / communication / unpack), bytes sent
+and dense fallbacks. Run it under ``mpirun -n 4 pacmpi train ...``.
+
+All methods fine-tune the *same pruned model*: ``--method dense`` is the plain all-reduce
+baseline, so its accuracy is what PacTrain (lossless) must match.
+"""
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkpoint
+from pacmpi.adapters.data import iterate_minibatches, load_cifar10, load_digits_split, shard
+from pacmpi.adapters.models import build_model, count_parameters
+from pacmpi.adapters.pruning import GradualPruningSchedule, MaskEnforcer, prune
+from pacmpi.adapters.torch_sync import METHODS, broadcast_parameters, make_sync
+
+__all__ = ["TrainConfig", "build_parser", "main", "parse_gradual", "run"]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+BACKENDS = ("mpi", "horovod")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every knob of the job; the command-line flags carry the same names (``--batch-size``)."""
+
+    dataset: str = "digits"            # "digits" (scikit-learn, offline) or "cifar10"
+    data_dir: Optional[str] = None     # CIFAR-10 location (never downloaded)
+    model: Optional[str] = None        # digits_cnn | mlp | cifar_cnn (default by dataset)
+    width: int = 32                    # CNN channels of the first conv
+    hidden: str = "256"                # hidden units: one int (CNN) or a list "2048,1024" (MLP)
+    pretrained: Optional[str] = None   # cache of the densely pretrained model
+    pretrain_epochs: int = 10
+    pretrain_lr: float = 3e-3
+    method: str = "pactrain"
+    ratio: float = 0.5                 # pruning ratio (fraction removed)
+    prune_method: str = "magnitude"    # magnitude | grasp
+    gradual: Optional[str] = None      # "step:ratio,step:ratio" (replaces --ratio)
+    epochs: int = 3
+    batch_size: int = 32               # per rank
+    lr: float = 0.01
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    topk_ratio: float = 0.01
+    bucket_bytes: int = 25 * 1024 * 1024
+    verify_every: int = 1
+    stable_steps: int = 1
+    seed: int = 0
+    threads: int = 0                   # torch threads per rank; 0 = cores / ranks
+    checkpoint: Optional[str] = None
+    checkpoint_every: int = 0          # steps; 0 = at the end of every epoch
+    resume: bool = False
+    max_steps: int = 0                 # stop after this many fine-tuning steps (0 = no limit)
+    backend: str = "mpi"
+    json: Optional[str] = None
+    progress: bool = True
+
+
+def parse_gradual(text):
+    """``"100:0.5,200:0.8"`` -> ``[(100, 0.5), (200, 0.8)]``."""
+    milestones = []
+    for item in text.split(","):
+        step, sep, ratio = item.partition(":")
+        if not sep:
+            raise ValueError(f"--gradual entries are step:ratio, got {item!r}")
+        milestones.append((int(step), float(ratio)))
+    return milestones
+
+
+def _config(config):
+    if isinstance(config, TrainConfig):
+        config = dataclasses.asdict(config)
+    elif isinstance(config, argparse.Namespace):
+        config = vars(config)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown config keys: {unknown}")
+    cfg = TrainConfig(**config)
+    checks = [(cfg.method in METHODS, f"method must be one of {METHODS}"),
+              (cfg.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
+              (cfg.backend in BACKENDS, f"backend must be one of {BACKENDS}"),
+              (cfg.dataset in ("digits", "cifar10"), "dataset must be digits or cifar10"),
+              (cfg.dataset != "cifar10" or cfg.data_dir, "--dataset cifar10 needs --data-dir"),
+              (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    if cfg.model is None:
+        cfg.model = "cifar_cnn" if cfg.dataset == "cifar10" else "digits_cnn"
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- pieces
+def _load_data(cfg):
+    if cfg.dataset == "cifar10":
+        return load_cifar10(cfg.data_dir)
+    return load_digits_split(seed=cfg.seed)
+
+
+def _model_kwargs(cfg, data):
+    hidden = [int(h) for h in cfg.hidden.split(",")]
+    if cfg.model == "mlp":
+        return {"in_features": int(data.x_train[0].numel()), "hidden": hidden}
+    if cfg.model == "digits_cnn":
+        return {"width": cfg.width, "hidden": hidden[0]}
+    return {"width": cfg.width}
+
+
+def _optimizer(cfg, params, lr):
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    kind = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+    return kind(params, lr=lr, weight_decay=cfg.weight_decay)
+
+
+@torch.no_grad()
+def _evaluate(model, data, rank, size, comm):
+    """Test accuracy over the whole test set, each rank scoring every ``size``-th sample."""
+    model.eval()
+    x, y = data.x_test[rank::size], data.y_test[rank::size]
+    correct = sum(int((model(xb).argmax(1) == yb).sum())
+                  for xb, yb in iterate_minibatches(x, y, 512, seed=0, epoch=0, shuffle=False))
+    model.train()
+    return comm.allreduce(correct) / comm.allreduce(len(y))
+
+
+def _wait_quietly(comm):
+    """Block until every rank arrives, sleeping instead of busy-polling (frees the cores for
+    rank 0 while it pretrains)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.02)
+
+
+def _pretrain(cfg, data, kwargs):
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, **kwargs)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.pretrain_lr)
+    for epoch in range(cfg.pretrain_epochs):
+        for xb, yb in iterate_minibatches(data.x_train, data.y_train, 64, seed=cfg.seed + 1,
+                                          epoch=epoch, drop_last=True):
+            optimizer.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    return model
+
+
+def _pretrained_state(cfg, data, kwargs, comm):
+    """Rank 0 loads the cache (if its model matches) or pretrains and writes it; returns
+    ``(state_dict or None on other ranks, dense test accuracy)``."""
+    state, accuracy, error = None, None, None
+    if comm.rank == 0:
+        try:
+            key = {"dataset": cfg.dataset, "model": cfg.model, "kwargs": kwargs,
+                   "pretrain_epochs": cfg.pretrain_epochs, "seed": cfg.seed}
+            cached = (torch.load(cfg.pretrained, map_location="cpu", weights_only=False)
+                      if cfg.pretrained and os.path.exists(cfg.pretrained) else None)
+            if cached is not None and cached["key"] != key:
+                raise ValueError(f"--pretrained {cfg.pretrained} holds {cached['key']}, this run "
+                                 f"needs {key}; delete it or pass another path")
+            if cached is None:
+                model = _pretrain(cfg, data, kwargs)
+                accuracy = _evaluate(model, data, 0, 1, comm)
+                cached = {"key": key, "state": model.state_dict(), "accuracy": accuracy}
+                if cfg.pretrained:
+                    atomic_save(cached, cfg.pretrained)
+            state, accuracy = cached["state"], cached["accuracy"]
+        except (OSError, ValueError, KeyError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if comm.size > 1:
+        _wait_quietly(comm)
+        error, accuracy = comm.bcast((error, accuracy), root=0)
+    if error is not None:
+        raise RuntimeError(f"pretraining on rank 0 failed: {error}")
+    return state, accuracy
+
+
+def _state_digest(model):
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _horovod_sync(cfg, model, optimizer, masks):
+    """Wrap ``optimizer`` in ``hvd.DistributedOptimizer`` with PacTrain compression."""
+    try:
+        import horovod.torch as hvd
+
+        from pacmpi.adapters.horovod import PacTrainCompressor
+    except ImportError as exc:
+        raise RuntimeError(f"--backend horovod needs horovod.torch and "
+                           f"pacmpi.adapters.horovod.PacTrainCompressor: {exc}") from exc
+    compressor = PacTrainCompressor(model, masks=masks, method=cfg.method)
+    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                    compression=compressor), compressor
+
+
+class _StepLog:
+    """Per-step timings and bytes, summed per epoch and over the run."""
+
+    KEYS = ("seconds", "compute_seconds", "pack_seconds", "comm_seconds", "unpack_seconds",
+            "verify_seconds", "wait_seconds", "optimizer_seconds", "bytes_sent", "dense_bytes",
+            "dense_fallbacks", "packed_reductions", "dense_reductions")
+
+    def __init__(self):
+        self.steps = []
+
+    def add(self, record):
+        self.steps.append(record)
+
+    def summary(self, first=0):
+        steps = self.steps[first:]
+        n = max(1, len(steps))
+        sums = {key: sum(s[key] for s in steps) for key in self.KEYS}
+        return {
+            "steps": len(steps),
+            "samples_per_second": sum(s["samples"] for s in steps) / max(sums["seconds"], 1e-12),
+            "step_seconds": {key.replace("_seconds", ""): sums[key] / n
+                             for key in self.KEYS if key.endswith("seconds")},
+            "bytes_per_step": sums["bytes_sent"] / n,
+            "dense_bytes_per_step": sums["dense_bytes"] / n,
+            "dense_fallbacks": sums["dense_fallbacks"],
+            "packed_reductions": sums["packed_reductions"],
+            "dense_reductions": sums["dense_reductions"],
+        }
+
+
+# ---------------------------------------------------------------------------------- run
+def run(config) -> dict:
+    """Fine-tune as configured (a :class:`TrainConfig`, dict or argparse namespace) on every rank
+    of ``COMM_WORLD``; returns the same result dict on every rank:
+
+    ``epochs`` (per epoch: ``wall_seconds`` since fine-tuning began, ``test_accuracy``,
+    ``train_loss`` and the epoch's step summary), ``final_accuracy``, ``pretrained_accuracy``,
+    ``parameters``, ``density``, ``steps`` (per step: ``seconds``, ``samples_per_second``,
+    the compute / pack / comm / unpack split, ``bytes_sent``), ``summary`` (averages over the
+    run), ``state_sha256`` (digest of the final model, equal on every rank).
+    """
+    from mpi4py import MPI
+
+    cfg = _config(config)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    data = _load_data(cfg)
+    kwargs = _model_kwargs(cfg, data)
+    state, pretrained_accuracy = _pretrained_state(cfg, data, kwargs, comm)
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // size))
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, **kwargs)
+    if rank == 0:
+        model.load_state_dict(state)
+    broadcast_parameters(model, comm=comm)
+    model.train()
+
+    x_train, y_train = shard((data.x_train, data.y_train), rank, size)
+    # One local batch for GraSP's gradient statistics (rank 0's decides; magnitude ignores it).
+    grasp_data = [next(iterate_minibatches(x_train, y_train, cfg.batch_size, seed=cfg.seed + 1,
+                                           epoch=0))]
+    prune_args = {"method": cfg.prune_method, "data": grasp_data, "comm": comm}
+    milestones = parse_gradual(cfg.gradual) if cfg.gradual else None
+    masks = prune(model, 0.0 if milestones else cfg.ratio, **prune_args)
+    enforcer = MaskEnforcer(model, masks)
+
+    optimizer = _optimizer(cfg, model.parameters(), cfg.lr)
+    if cfg.backend == "horovod":
+        optimizer, sync = _horovod_sync(cfg, model, optimizer, masks)
+    else:
+        sync_kwargs = ({} if cfg.method == "topk" else
+                       {"bucket_bytes": cfg.bucket_bytes, "verify_every": cfg.verify_every,
+                        "stable_steps": cfg.stable_steps, "seed": cfg.seed})
+        sync = make_sync(model, cfg.method, comm=comm.Dup(), masks=masks,
+                         topk_ratio=cfg.topk_ratio, **sync_kwargs)
+        sync.attach(optimizer)
+    enforcer.attach(optimizer)
+
+    step, start_epoch, skip, elapsed, records = 0, 0, 0, 0.0, []
+    log = _StepLog()
+    if cfg.resume and os.path.exists(cfg.checkpoint):
+        where = load_checkpoint(cfg.checkpoint, model=model, optimizer=optimizer, sync=sync)
+        enforcer.update(sync.masks)
+        step, start_epoch = where["step"], where["epoch"]
+        skip, elapsed = where["extra"]["batch_in_epoch"], where["extra"]["elapsed"]
+        records = where["extra"]["records"]
+        log.steps = where["extra"]["steps"]
+    schedule = None
+    if milestones and any(s >= step for s, _ in milestones):
+        schedule = GradualPruningSchedule([m for m in milestones if m[0] >= step],
+                                          method=cfg.prune_method)
+        schedule.masks = dict(sync.masks)
+
+    def checkpoint(epoch, batch_in_epoch):
+        save_checkpoint(cfg.checkpoint, model=model, optimizer=optimizer, sync=sync, step=step,
+                        epoch=epoch, extra={"batch_in_epoch": batch_in_epoch,
+                                            "elapsed": elapsed + time.perf_counter() - started,
+                                            "records": records, "steps": log.steps})
+
+    progress = _progress(cfg, rank)
+    started = time.perf_counter()
+    stopped = False
+    for epoch in range(start_epoch, cfg.epochs):
+        epoch_first = len(log.steps)
+        losses = []
+        batches = list(iterate_minibatches(x_train, y_train, cfg.batch_size, seed=cfg.seed,
+                                           epoch=epoch, drop_last=True))
+        bar = progress(total=len(batches), initial=skip, desc=f"epoch {epoch}")
+        for b in range(skip, len(batches)):
+            xb, yb = batches[b]
+            if schedule is not None:
+                new = schedule.step(model, step, data=grasp_data, comm=comm)
+                if new is not None:
+                    enforcer.update(new)
+                    sync.update_masks(new)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            t1 = time.perf_counter()
+            optimizer.step()
+            t2 = time.perf_counter()
+            step += 1
+            losses.append(float(loss))
+            record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,
+                      "optimizer_seconds": t2 - t1 - sync.last_step["wait_seconds"]}
+            record.update({k: sync.last_step[k] for k in _StepLog.KEYS if k in sync.last_step})
+            record["samples_per_second"] = record["samples"] / record["seconds"]
+            log.add(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if cfg.checkpoint and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                checkpoint(epoch, b + 1)
+            if cfg.max_steps and step >= cfg.max_steps:
+                stopped = b + 1 < len(batches)
+                break
+        bar.close()
+        skip = 0
+        if stopped:
+            break
+        broadcast_parameters(model, comm=comm)  # rank 0's BatchNorm statistics for everyone
+        accuracy = _evaluate(model, data, rank, size, comm)
+        records.append({"epoch": epoch, "wall_seconds": elapsed + time.perf_counter() - started,
+                        "test_accuracy": accuracy,
+                        "train_loss": sum(losses) / max(1, len(losses)),
+                        **log.summary(epoch_first)})
+        if rank == 0 and cfg.progress:
+            print(f"epoch {epoch}: test accuracy {accuracy:.4f}", file=sys.stderr, flush=True)
+        if cfg.checkpoint and not cfg.checkpoint_every:
+            checkpoint(epoch + 1, 0)
+        if cfg.max_steps and step >= cfg.max_steps:
+            break
+
+    density = enforcer.density()
+    return {
+        "config": dataclasses.asdict(cfg),
+        "world_size": size,
+        "parameters": count_parameters(model),
+        "prunable_parameters": density.total,
+        "density": density.overall,
+        "pretrained_accuracy": pretrained_accuracy,
+        "epochs": records,
+        "final_accuracy": records[-1]["test_accuracy"] if records else None,
+        "steps": log.steps,
+        "summary": log.summary(),
+        "fallbacks": sync.stats["dense_fallbacks"],
+        "stats": dict(sync.stats),
+        "state_sha256": _state_digest(model),
+    }
+
+
+def _progress(cfg, rank):
+    if rank == 0 and cfg.progress:
+        try:
+            from tqdm import tqdm
+
+            return lambda **kw: tqdm(leave=False, file=sys.stderr, **kw)
+        except ImportError:
+            pass
+    return lambda **kw: _NoBar()
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------- CLI
+def build_parser():
+    parser = argparse.ArgumentParser(prog="pacmpi train", description=__doc__.split("\n")[0])
+    defaults = TrainConfig()
+    choices = {"method": METHODS, "optimizer": OPTIMIZERS, "backend": BACKENDS,
+               "dataset": ("digits", "cifar10"), "prune_method": ("magnitude", "grasp"),
+               "model": ("digits_cnn", "mlp", "cifar_cnn")}
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        if field.type is bool or isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            continue
+        kind = type(default) if default is not None else str
+        parser.add_argument(flag, type=kind, default=default, choices=choices.get(field.name))
+    return parser
+
+
+def _print_summary(result):
+    s = result["summary"]
+    t = s["step_seconds"]
+    cfg = result["config"]
+    print(f"pacmpi train: {cfg['model']} ({result['parameters']:,} parameters, density "
+          f"{result['density']:.3f}) on {result['world_size']} ranks, method {cfg['method']}")
+    print(f"  pretrained (dense) test accuracy: {result['pretrained_accuracy']:.4f}")
+    for r in result["epochs"]:
+        print(f"  epoch {r['epoch']}: {r['wall_seconds']:8.2f} s  test accuracy "
+              f"{r['test_accuracy']:.4f}  loss {r['train_loss']:.4f}")
+    print(f"  per step: {t['seconds']:.4f} s = compute {t['compute']:.4f} + pack {t['pack']:.4f} + "
+          f"comm {t['comm']:.4f} + unpack {t['unpack']:.4f} + verify {t['verify']:.4f} "
+          f"(+ optimizer {t['optimizer']:.4f}); exposed wait {t['wait']:.4f}")
+    print(f"  {s['samples_per_second']:.0f} samples/s; {s['bytes_per_step']:,.0f} bytes sent per "
+          f"step (dense: {s['dense_bytes_per_step']:,.0f}); dense fallbacks {result['fallbacks']}")
+
+
+def main(argv=None):
+    """Entry point of ``pacmpi train``; prints a summary on rank 0 and writes ``--json``."""
+    args = build_parser().parse_args(argv)
+    result = run(args)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.rank == 0:
+        _print_summary(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("default")
+    sys.exit(main())

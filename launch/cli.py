@@ -1,0 +1,97 @@
+"""``pacmpi-run``: start a command on n ranks, optionally on a bandwidth-limited test bed.
+
+Examples::
+
+    pacmpi-run -n 4 -- python train.py --epochs 1
+    pacmpi-run -n 4 --link 100mbit -- python train.py          # shaped link, calibrated first
+    pacmpi-run -n 4 --horovod -- python train_hvd.py            # horovodrun --gloo
+    pacmpi-run -n 4 --link 1gbit --dry-run -- python train.py  # print, run nothing
+
+Exit status: the launcher's (non-zero when a rank fails; the failed rank is named on
+stderr), 124 after ``--timeout``, 130 after Ctrl-C, 2 for usage and set-up errors (no root,
+no ``ip``/``tc``, no MPI), 3 when calibration refuses the test bed.
+"""
+import argparse
+import shlex
+import sys
+
+from .mpi import MPIDetectionError
+from .runner import run_command
+from .testbed import CalibrationError, TestbedError
+
+__all__ = ["main", "build_parser", "run_command"]
+
+USAGE_EXIT, CALIBRATION_EXIT, INTERRUPT_EXIT = 2, 3, 130
+
+
+def build_parser():
+    """The argument parser (options only; the command follows ``--``)."""
+    parser = argparse.ArgumentParser(
+        prog="pacmpi-run", usage="pacmpi-run -n N [options] -- COMMAND [ARGS...]",
+        description="Run COMMAND on N ranks with mpirun (or horovodrun), optionally on a "
+                    "bandwidth-limited link simulated in a network namespace.")
+    parser.add_argument("-n", "--np", type=int, required=True, metavar="N", help="number of ranks")
+    parser.add_argument("--link", metavar="RATE",
+                        help="shape one shared link to RATE (tc units: 100mbit, 1gbit, ...; "
+                             "'none' = host network) inside a private network namespace; needs root")
+    parser.add_argument("--horovod", action="store_true", help="launch with horovodrun --gloo")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="allow more ranks than cores (Open MPI)")
+    parser.add_argument("--hostfile", help="host file for multi-node runs")
+    parser.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="forward (NAME) or set (NAME=VALUE) an environment variable on all "
+                             "ranks; repeatable")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="with --link, skip the link calibration")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="end the run after SECONDS (exit status 124)")
+    parser.add_argument("--mpirun", default="mpirun", help="MPI launcher to use (default: mpirun)")
+    return parser
+
+
+def _split(argv):
+    """Split at the first ``--``; without one, everything after the options is the command."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, None
+
+
+def main(argv=None):
+    """Console entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    options, command = _split(argv)
+    if command is None:
+        parser.add_argument("command", nargs=argparse.REMAINDER)
+        args = parser.parse_args(options)
+        command = args.command
+    else:
+        args = parser.parse_args(options)
+    if not command:
+        parser.error("no command given (put it after --)")
+    try:
+        result = run_command(command, args.np, link=args.link, horovod=args.horovod,
+                             oversubscribe=args.oversubscribe, hostfile=args.hostfile,
+                             env=args.env, calibrate=not args.no_calibrate,
+                             timeout=args.timeout, dry_run=args.dry_run, mpirun=args.mpirun)
+    except CalibrationError as exc:
+        print(f"pacmpi-run: {exc}", file=sys.stderr)
+        return CALIBRATION_EXIT
+    except (TestbedError, MPIDetectionError, ValueError, OSError) as exc:
+        # OSError: the launcher itself could not be started (e.g. no horovodrun on PATH).
+        print(f"pacmpi-run: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        print("pacmpi-run: interrupted; ranks ended and test bed removed", file=sys.stderr)
+        return INTERRUPT_EXIT
+    if args.dry_run:
+        for step in result.setup_commands:
+            print(f"# test bed: {shlex.join(step)}")
+        print(shlex.join(result.command))
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

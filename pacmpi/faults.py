@@ -1,0 +1,208 @@
+"""End the whole MPI job when one rank fails, instead of leaving the others blocked.
+
+An MPI rank that raises and exits normally runs ``MPI_Finalize`` at interpreter exit, which
+waits for ranks that are themselves blocked in a collective waiting for it: the job hangs. The
+tools here print the failure (traceback, prefixed with the rank and host, on stderr, flushed)
+and then call ``MPI_Abort`` on ``COMM_WORLD``, which makes the launcher end every rank and exit
+non-zero, as ``python -m mpi4py`` does.
+
+- :func:`run_main` wraps a command-line entry point: ``sys.exit(run_main(main, argv))``.
+- :func:`abort_on_exception` is a context manager and decorator for user code.
+- :func:`install_excepthook` covers every unhandled exception of a script's main thread.
+
+They abort only when it is needed: MPI initialized (through mpi4py), not finalized, and more
+than one rank in ``COMM_WORLD``. Otherwise the exception propagates (or, in :func:`run_main`,
+becomes an exit status) as usual. Nothing here imports mpi4py, so importing this module never
+initializes MPI.
+"""
+import contextlib
+import os
+import socket
+import sys
+import traceback
+
+__all__ = [
+    "world",
+    "rank_prefix",
+    "report_exception",
+    "abort_job",
+    "exit_status",
+    "abort_on_exception",
+    "install_excepthook",
+    "run_main",
+]
+
+# Where launchers put the rank and world size before MPI is initialized (Open MPI, PMIx,
+# MPICH/Hydra and Intel MPI, Slurm's srun).
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def _live_mpi():
+    """mpi4py's ``MPI`` module when MPI is usable now, else ``None`` (never imports it)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI
+
+
+def _env_int(names):
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def world():
+    """``(rank, size, mpi_live)`` of this process in ``COMM_WORLD``.
+
+    From MPI when it is initialized (``mpi_live`` true), else from the launcher's environment,
+    else ``(0, 1, False)``.
+    """
+    MPI = _live_mpi()
+    if MPI is not None:
+        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), True
+    rank, size = _env_int(_RANK_VARS), _env_int(_SIZE_VARS)
+    return (rank or 0), (size or 1), False
+
+
+def rank_prefix():
+    """``"[pacmpi rank R/N on HOST] "``, to make interleaved output of many ranks attributable."""
+    rank, size, _ = world()
+    return f"[pacmpi rank {rank}/{size} on {socket.gethostname()}] "
+
+
+def report_exception(exc, *, stream=None):
+    """Write ``exc``'s traceback to ``stream`` (stderr), every line prefixed by the rank; flush.
+
+    ``SystemExit`` and ``KeyboardInterrupt`` are reported in one line, without a traceback.
+    """
+    stream = sys.stderr if stream is None else stream
+    prefix = rank_prefix()
+    if isinstance(exc, SystemExit):
+        lines = [f"exited with status {exc.code!r}\n"]
+    elif isinstance(exc, KeyboardInterrupt):
+        lines = ["interrupted (KeyboardInterrupt)\n"]
+    else:
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    text = "".join(lines)
+    try:
+        sys.stdout.flush()
+        stream.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+        stream.flush()
+    except (OSError, ValueError):  # closed or broken stream: still abort below
+        pass
+
+
+def abort_job(code=1):
+    """End the whole job with status ``code`` (never returns).
+
+    ``MPI_Abort`` on ``COMM_WORLD`` when MPI is live, so the launcher ends every rank; otherwise
+    (or should Abort return) ``os._exit``, which skips ``MPI_Finalize`` and its wait for peers.
+    """
+    code = int(code) or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    MPI = _live_mpi()
+    if MPI is not None:
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def exit_status(exc):
+    """The process exit status an exception stands for.
+
+    ``SystemExit``: its code (``None`` is 0; a non-integer, such as a message, is 1);
+    ``KeyboardInterrupt``: 130 (128 + SIGINT, as shells report it); anything else: 1.
+    """
+    if isinstance(exc, SystemExit):
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return 1
+
+
+def _must_abort(status):
+    # A non-zero status on one rank is indistinguishable from that rank failing alone, and its
+    # MPI_Finalize would then wait for peers blocked in a collective: abort. A zero status is a
+    # normal exit, which every rank takes together.
+    if status == 0:
+        return False
+    _, size, live = world()
+    return live and size > 1
+
+
+class abort_on_exception(contextlib.ContextDecorator):
+    """Context manager / decorator: an exception escaping the block aborts the whole job.
+
+    With several ranks and MPI live, the exception is reported (traceback with rank prefix on
+    stderr) and the job aborted with :func:`exit_status` of it (``SystemExit(0)`` passes
+    through). With one rank, or MPI not initialized, the exception propagates unchanged.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not _must_abort(exit_status(exc)):
+            return False
+        report_exception(exc)
+        abort_job(exit_status(exc))
+
+
+def install_excepthook():
+    """Make an unhandled exception in the main thread abort the job (see module docstring).
+
+    Idempotent; returns the hook that was installed before. The exception is printed by the
+    hook in either case, so single-rank behaviour matches Python's own (status 1).
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_pacmpi_abort", False):
+        return previous
+
+    def hook(exc_type, exc, tb):
+        if not _must_abort(exit_status(exc)):
+            return previous(exc_type, exc, tb)
+        report_exception(exc)
+        abort_job(exit_status(exc))
+
+    hook._pacmpi_abort = True
+    sys.excepthook = hook
+    return previous
+
+
+def run_main(main, argv=None):
+    """Call ``main(argv)`` and return its exit status; a failure on one rank ends the job.
+
+    ``main`` returns ``None``/``0`` on success or an integer status. An exception (including
+    ``KeyboardInterrupt``) or a non-zero status is reported on stderr with the rank prefix;
+    with several ranks and MPI live the job is then aborted with that status (every rank ends,
+    the launcher exits non-zero), otherwise the status is returned (1 for an exception, 130
+    for ``KeyboardInterrupt``, ``SystemExit``'s code). Use as ``sys.exit(run_main(main))``.
+    """
+    try:
+        result = main(argv)
+        status = 0 if result is None else int(result)
+        if _must_abort(status):
+            report_exception(SystemExit(status))
+            abort_job(status)
+        return status
+    except BaseException as exc:  # noqa: B902 - every failure must end the job
+        status = exit_status(exc)
+        if status == 0:
+            return 0
+        if isinstance(exc, SystemExit) and not _must_abort(status):
+            # argparse and sys.exit("message") already told the user; keep their output.
+            if not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+            return status
+        report_exception(exc)
+        if _must_abort(status):
+            abort_job(status)
+        return status

@@ -1,0 +1,103 @@
+"""Counter-based hashing on array modules: mask fingerprints and reproducible uniform numbers.
+
+Both are built on SplitMix64 over uint64 counters, so NumPy and CuPy produce identical bits, the
+work stays on the device, and the only state worth saving is an integer counter.
+"""
+import hashlib
+
+import numpy as np
+
+__all__ = ["splitmix64", "splitmix64_int", "mask_fingerprint", "uniform", "digest_ints"]
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+# Two independent multilinear hashes: each collides with probability <= 2**-32 for two fixed,
+# different masks (32-bit words, random 64-bit weights), so together about 2**-64.
+_FINGERPRINT_KEYS = (0x5DEECE66D1234567, 0x2545F4914F6CDD1D)
+
+
+def splitmix64_int(value):
+    """SplitMix64 finalizer on one Python integer (mod 2**64)."""
+    z = (value + _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def splitmix64(xp, counters):
+    """SplitMix64 finalizer applied elementwise to a uint64 array (wrapping arithmetic)."""
+    z = counters + xp.uint64(_GAMMA)
+    z ^= z >> xp.uint64(30)
+    z *= xp.uint64(_MIX1)
+    z ^= z >> xp.uint64(27)
+    z *= xp.uint64(_MIX2)
+    z ^= z >> xp.uint64(31)
+    return z
+
+
+def _weights(xp, count, key):
+    counters = xp.arange(count, dtype=xp.uint64)
+    counters *= xp.uint64(_GAMMA)
+    counters += xp.uint64(key)
+    return splitmix64(xp, counters)
+
+
+def mask_fingerprint(xp, flat_mask):
+    """128-bit fingerprint (a Python int) of a flat boolean mask, computed on its device.
+
+    The mask is bit-packed into 32-bit words and hashed with two multilinear hashes whose
+    weights come from SplitMix64 counters; only the two 64-bit sums leave the device.
+    """
+    length = int(flat_mask.size)
+    bits = xp.packbits(flat_mask.astype(xp.bool_, copy=False))
+    pad = (-bits.size) % 4
+    if pad:
+        bits = xp.concatenate([bits, xp.zeros(pad, dtype=xp.uint8)])
+    words = bits.view(xp.uint32).astype(xp.uint64)
+    sums = []
+    for key in _FINGERPRINT_KEYS:
+        product = _weights(xp, words.size, key ^ length)
+        product *= words
+        sums.append(product.sum(dtype=xp.uint64) if words.size else xp.uint64(0))
+    pair = xp.stack([xp.asarray(s, dtype=xp.uint64) for s in sums])
+    high, low = (int(v) for v in (pair.get() if hasattr(pair, "get") else pair))
+    return (splitmix64_int(high ^ length) << 64) | splitmix64_int(low + length)
+
+
+def _lowbias32(xp, x):
+    """Chris Wellons' lowbias32 integer hash, in place on a uint32 array."""
+    x ^= x >> xp.uint32(16)
+    x *= xp.uint32(0x7FEB352D)
+    x ^= x >> xp.uint32(15)
+    x *= xp.uint32(0x846CA68B)
+    x ^= x >> xp.uint32(16)
+    return x
+
+
+def uniform(xp, count, key):
+    """``count`` float32 numbers in [0, 1) determined by the 64-bit ``key`` alone.
+
+    Two rounds of a 32-bit hash (a quarter of SplitMix64's memory traffic): the low key word
+    offsets the counter, the high word decorrelates streams whose offsets happen to overlap.
+    """
+    bits = xp.arange(count, dtype=xp.uint32)
+    bits += xp.uint32(key & 0xFFFFFFFF)
+    _lowbias32(xp, bits)
+    bits ^= xp.uint32((key >> 32) & 0xFFFFFFFF)
+    _lowbias32(xp, bits)
+    bits >>= xp.uint32(8)
+    result = bits.astype(xp.float32)
+    result *= xp.float32(2.0 ** -24)
+    return result
+
+
+def digest_ints(values):
+    """A 128-bit digest of a sequence of integers/strings, as four non-negative 32-bit ints."""
+    h = hashlib.blake2b(digest_size=16)
+    for value in values:
+        h.update(repr(value).encode())
+        h.update(b"\x00")
+    raw = np.frombuffer(h.digest(), dtype="<u4")
+    return [int(v) for v in raw]

@@ -1,0 +1,125 @@
+"""Unbiased ternary quantization (TernGrad-style) with codes that a plain integer SUM can add.
+
+Each value ``v`` becomes ``scale * q`` with ``q`` in {-1, 0, +1}, ``P(q = sign v) = |v|/scale``,
+so ``E[scale * q] = v``. The biased code ``q + 1`` is in {0, 1, 2}; with ``n`` ranks a sum of
+codes is at most ``2n``, so codes are stored as base-``(2n+1)`` digits of int64 (or int32)
+words: a word-wise SUM over ranks never carries from one digit into the next and decodes
+exactly. A value then costs ``word_bits / digits_per_word`` bits on the wire, within a fraction
+of a bit of the ``log2(2n+1)`` bits its sum needs.
+"""
+import math
+
+import numpy as np
+
+from .hashing import splitmix64_int, uniform
+
+__all__ = ["TernaryCodec", "stochastic_ternary", "ternary_key", "wire_bits_table"]
+
+_WORD_DTYPES = {"int64": np.int64, "int32": np.int32}
+
+
+class TernaryCodec:
+    """Packs biased ternary codes of ``world_size`` ranks into summable integer words.
+
+    Parameters
+    ----------
+    world_size:
+        Number of ranks whose codes will be summed (at least 1).
+    word_dtype:
+        ``"int64"`` (default, densest) or ``"int32"`` (for transports without 64-bit integers).
+        Signed types are used because Horovod's and PyTorch's reductions have no unsigned ones.
+    """
+
+    def __init__(self, world_size, word_dtype="int64"):
+        if not isinstance(world_size, (int, np.integer)) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if word_dtype not in _WORD_DTYPES:
+            raise ValueError(f"word_dtype must be one of {sorted(_WORD_DTYPES)}, got {word_dtype!r}")
+        self.world_size = int(world_size)
+        self.word_dtype = np.dtype(_WORD_DTYPES[word_dtype])
+        self.base = 2 * self.world_size + 1
+        largest_sum = np.iinfo(self.word_dtype).max
+        digits = 0
+        while self.base ** (digits + 1) - 1 <= largest_sum:
+            digits += 1
+        if digits == 0:
+            raise ValueError(
+                f"{self.world_size} ranks need base-{self.base} digits, which do not fit a "
+                f"{word_dtype} word; at most {self.max_world_size(word_dtype)} ranks are supported"
+            )
+        self.digits_per_word = digits
+
+    @staticmethod
+    def max_world_size(word_dtype="int64"):
+        """Largest rank count whose digit sums still fit one word."""
+        largest_sum = int(np.iinfo(_WORD_DTYPES[word_dtype]).max)
+        return (largest_sum - 1) // 2
+
+    @property
+    def bits_per_value(self):
+        return self.word_dtype.itemsize * 8 / self.digits_per_word
+
+    def words_for(self, count):
+        return -(-int(count) // self.digits_per_word)
+
+    def encode(self, xp, codes, out=None):
+        """Pack codes in {-1, 0, 1} (any integer dtype) into words; returns the word array."""
+        k = self.digits_per_word
+        nwords = self.words_for(codes.size)
+        digits = xp.zeros(nwords * k, dtype=xp.int8)
+        digits[:codes.size] = codes
+        digits[:codes.size] += 1
+        digits = digits.reshape(nwords, k)
+        words = xp.zeros(nwords, dtype=self.word_dtype) if out is None else out
+        words[...] = 0
+        for j in range(k - 1, -1, -1):  # Horner: words = sum_j digit_j * base**j
+            words *= self.base
+            words += digits[:, j]
+        return words
+
+    def decode(self, xp, words, count, ranks=None):
+        """Sum of the ``ranks`` ranks' codes (word dtype, in [-ranks, ranks]) from summed words."""
+        ranks = self.world_size if ranks is None else ranks
+        k = self.digits_per_word
+        remaining = words.copy()
+        sums = xp.empty((words.size, k), dtype=self.word_dtype)
+        for j in range(k):
+            remaining, sums[:, j] = xp.divmod(remaining, self.base)
+        sums = sums.reshape(-1)[:count]
+        sums -= ranks
+        return sums
+
+
+def ternary_key(seed, step, bucket, rank):
+    """The 64-bit random key of one (step, bucket, rank): independent noise per rank, and a
+    run that is reproduced exactly from the seed and the step counter alone."""
+    return splitmix64_int(seed ^ splitmix64_int((step << 32) ^ (bucket << 16) ^ rank))
+
+
+def stochastic_ternary(xp, values, scale, key):
+    """Codes in {-1, 0, 1} (int8) with ``E[scale * code] == values`` for ``|values| <= scale``.
+
+    ``key`` (a 64-bit integer) fixes the random numbers, so a run is reproducible and NumPy and
+    CuPy agree bit for bit.
+    """
+    if scale <= 0:
+        return xp.zeros(values.shape, dtype=xp.int8)
+    probability = xp.abs(values).astype(xp.float32) / xp.float32(scale)
+    keep = uniform(xp, values.size, key).reshape(values.shape) < probability
+    codes = xp.sign(values).astype(xp.int8)
+    codes *= keep
+    return codes
+
+
+def wire_bits_table(world_sizes=(2, 4, 8, 16, 64), word_dtype="int64"):
+    """Rows of (ranks, digits per word, bits per value on the wire, log2(2n+1) lower bound)."""
+    rows = []
+    for n in world_sizes:
+        codec = TernaryCodec(n, word_dtype)
+        rows.append({
+            "ranks": n,
+            "digits_per_word": codec.digits_per_word,
+            "bits_per_value": codec.bits_per_value,
+            "log2_2n_plus_1": math.log2(2 * n + 1),
+        })
+    return rows

@@ -1,0 +1,98 @@
+"""MaskTracker: follows each bucket's flattened mask and decides when packing is safe.
+
+All state changes happen in :meth:`MaskTracker.commit`, which the reducer calls only with
+fingerprints that every rank has just agreed on, so every rank always takes the same path.
+"""
+from dataclasses import dataclass, field
+
+from .hashing import mask_fingerprint
+
+__all__ = ["BucketMaskState", "MaskTracker"]
+
+
+@dataclass
+class BucketMaskState:
+    """Tracker state of one bucket.
+
+    ``mask`` is the last flat boolean mask read (``None`` when no array of the bucket is
+    masked); ``indices`` the survivor positions while the bucket is packed, else ``None``.
+    """
+
+    fingerprint: int = None
+    survivors: int = 0
+    stable_steps: int = 0
+    mask: object = None
+    indices: object = None
+    packed_since: int = field(default=None)
+
+    @property
+    def packed(self):
+        return self.indices is not None
+
+
+class MaskTracker:
+    """Per-bucket mask fingerprints, a version counter and stability counters.
+
+    Parameters
+    ----------
+    stable_steps:
+        Steps a changed mask must stay unchanged before the bucket is packed again; until then
+        the bucket is reduced dense (with the mask applied), which needs no survivor indices.
+        ``0`` packs in the very step a new mask is agreed.
+    """
+
+    def __init__(self, n_buckets, *, stable_steps=1):
+        if not isinstance(stable_steps, int) or stable_steps < 0:
+            raise ValueError(f"stable_steps must be a non-negative integer, got {stable_steps!r}")
+        self.stable_steps = stable_steps
+        self.version = 0
+        self.buckets = [BucketMaskState() for _ in range(n_buckets)]
+        self.last_commit_step = None
+
+    @staticmethod
+    def observe(xp, flat_mask):
+        """Fingerprint and survivor count of one bucket's flat mask (``None``: unmasked)."""
+        if flat_mask is None:
+            return None, None
+        return mask_fingerprint(xp, flat_mask), int(flat_mask.sum())
+
+    def commit(self, step, observations, masks):
+        """Adopt agreed observations ``[(fingerprint, survivors)]`` and flat ``masks`` of ``step``.
+
+        Returns the indices of buckets whose mask changed in this step.
+        """
+        elapsed = 1 if self.last_commit_step is None else step - self.last_commit_step
+        changed = []
+        for b, (state, (fingerprint, survivors), mask) in enumerate(
+                zip(self.buckets, observations, masks)):
+            state.mask = mask
+            if fingerprint != state.fingerprint or self.last_commit_step is None:
+                changed.append(b)
+                state.fingerprint, state.survivors = fingerprint, survivors
+                state.stable_steps = 0
+                state.indices = None
+            else:
+                state.stable_steps += elapsed
+        if changed:
+            self.version += 1
+        self.last_commit_step = step
+        return changed
+
+    def ready_to_pack(self, b):
+        """True when bucket ``b`` is masked, not yet packed and stable long enough."""
+        state = self.buckets[b]
+        return (state.mask is not None and state.indices is None
+                and state.stable_steps >= self.stable_steps
+                and state.survivors < state.mask.size)
+
+    def state_dict(self):
+        return {
+            "version": self.version,
+            "last_commit_step": self.last_commit_step,
+            "stable_steps": self.stable_steps,
+            "buckets": [
+                {"fingerprint": s.fingerprint, "survivors": s.survivors,
+                 "stable_steps": s.stable_steps, "packed": s.packed}
+                for s in self.buckets
+            ],
+        }

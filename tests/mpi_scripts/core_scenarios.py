@@ -1,0 +1,261 @@
+"""Multi-rank checks of PacTrainReducer; each scenario prints 'OK <name>' on every rank."""
+import pickle
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import pacmpi
+from pacmpi import LayoutMismatchError, MaskMismatchError, PacTrainReducer, RankInputError
+from pacmpi.arrays import supported_float_dtypes
+from pacmpi.ternary import stochastic_ternary, ternary_key
+
+comm = MPI.COMM_WORLD
+rank, world = comm.Get_rank(), comm.Get_size()
+SHAPES = [(17, 5), (), (0,), (33,), (4, 4, 3), (1,), (9,)]
+
+
+def shared_masks(seed=42, density=0.4):
+    rng = np.random.default_rng(seed)  # same seed on every rank: identical masks
+    return [None if i in (1, 6) else rng.random(s) < density for i, s in enumerate(SHAPES)]
+
+
+def integer_grads(step, dtype, seed=0):
+    rng = np.random.default_rng(1000 * seed + 10 * step + rank)
+    return [rng.integers(-8, 9, size=s).astype(dtype) for s in SHAPES]
+
+
+def dense_reference(grads, masks, average):
+    out = []
+    for g, m in zip(grads, masks):
+        x = np.array(g, dtype=np.float64)
+        if m is not None:
+            x *= m
+        comm.Allreduce(MPI.IN_PLACE, x)
+        out.append(x / world if average else x)
+    return out
+
+
+def assert_exact(grads, reference, what):
+    for i, (g, r) in enumerate(zip(grads, reference)):
+        expected = r.astype(g.dtype)
+        if not np.array_equal(g, expected):
+            raise AssertionError(f"{what}: gradient {i} differs: {g} vs {expected}")
+
+
+def expect_raise(error_type, fn, *needles):
+    try:
+        fn()
+    except error_type as exc:
+        for needle in needles:
+            assert needle in str(exc), (needle, str(exc))
+        return exc
+    raise AssertionError(f"{error_type.__name__} was not raised on rank {rank}")
+
+
+def ok(name):
+    print(f"OK {name} rank {rank}", flush=True)
+
+
+def scenario_exact():
+    masks = shared_masks()
+    shapes = SHAPES
+    for dtype in supported_float_dtypes():
+        for bucket_bytes in (8, 64, 1 << 20):
+            for quantize in (None, "fp16"):
+                for mode in ("reduce", "async"):
+                    for average in (False, True):
+                        red = PacTrainReducer(masks, quantize=quantize, average=average,
+                                              bucket_bytes=bucket_bytes, shapes=shapes,
+                                              dtypes=[dtype] * len(shapes))
+                        for step in range(3):
+                            grads = integer_grads(step, dtype)
+                            reference = dense_reference(grads, masks, average)
+                            if mode == "reduce":
+                                red.reduce(grads)
+                            else:  # per-rank order differs; launches must stay in index order
+                                order = np.random.default_rng(rank + step).permutation(
+                                    len(red.layout))
+                                for b in order:
+                                    red.mark_ready(int(b), grads)
+                                red.wait(grads)
+                            assert_exact(grads, reference, f"{dtype} {bucket_bytes} {quantize} "
+                                         f"{mode} avg={average} step {step}")
+                        masked_buckets = sum(
+                            1 for s in red.tracker.buckets if s.mask is not None
+                            and s.survivors < s.mask.size)
+                        assert red.stats["packed_reductions"] == 2 * masked_buckets, red.stats
+                        assert red.stats["dense_fallbacks"] == masked_buckets, red.stats
+    ok("exact")
+
+
+def scenario_ternary():
+    masks = shared_masks()
+    for error_feedback in (False, True):
+        red = PacTrainReducer(masks, quantize="ternary", average=False, bucket_bytes=64,
+                              error_feedback=error_feedback, seed=5)
+        for step in range(4):
+            rng = np.random.default_rng(step * 7 + rank)
+            grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+            originals = [g.copy() for g in grads]
+            residuals = red.state_dict()["residuals"]
+            red.reduce(grads)
+            for b, bucket in enumerate(red.layout.buckets):
+                state = red.tracker.buckets[b]
+                flat = np.concatenate([originals[m.index].reshape(-1) for m in bucket.members])
+                if state.mask is not None:
+                    flat = flat * state.mask
+                if error_feedback and b in residuals:
+                    flat = flat + residuals[b] * (1 if state.mask is None else state.mask)
+                values = flat[state.indices] if state.packed else flat
+                scale = np.array([np.abs(values).max() if values.size else 0.0])
+                comm.Allreduce(MPI.IN_PLACE, scale, op=MPI.MAX)
+                codes = stochastic_ternary(np, values.astype(np.float32), scale[0],
+                                           ternary_key(5, step, b, rank)).astype(np.int64)
+                code_sum = codes.copy()
+                comm.Allreduce(MPI.IN_PLACE, code_sum)
+                expected = np.zeros(bucket.size, np.float32)
+                if state.packed:
+                    expected[state.indices] = code_sum * scale[0]
+                else:
+                    expected[...] = code_sum * scale[0]
+                got = np.concatenate([grads[m.index].reshape(-1) for m in bucket.members])
+                assert np.array_equal(got, expected), (step, b, state.packed, np.flatnonzero(got != expected), got[got != expected], expected[got != expected], scale)
+                if error_feedback:  # g + r_old == q + r_new
+                    new = red.state_dict()["residuals"][b]
+                    new = new[state.indices] if state.packed else new
+                    np.testing.assert_allclose(codes * scale[0] + new, values, rtol=0,
+                                               atol=1e-6 * max(scale[0], 1))
+    ok("ternary")
+
+
+def rank1_positions_moved(masks):
+    if rank != 1:
+        return masks
+    moved = list(masks)
+    moved[0] = np.roll(masks[0], 1)  # same survivor count, different coordinates
+    return moved
+
+
+def scenario_mismatch():
+    masks = rank1_positions_moved(shared_masks())
+    red = PacTrainReducer(masks, average=False)
+    grads = integer_grads(0, np.float32)
+    before = [g.copy() for g in grads]
+    exc = expect_raise(MaskMismatchError, lambda: red.reduce(grads), "offending ranks: [1]")
+    assert exc.offending_ranks == (1,)
+    fingerprints = [d["buckets"][0]["fingerprint"] for d in exc.details.values()]
+    assert fingerprints[0] != fingerprints[1] and fingerprints[0] in str(exc)
+    assert fingerprints[1] in str(exc)
+    assert all(np.array_equal(g, b) for g, b in zip(grads, before)), "nothing may be summed"
+    ok("mismatch")
+
+
+def scenario_resync():
+    reference_masks = shared_masks()
+    masks = rank1_positions_moved([None if m is None else m.copy() for m in reference_masks])
+    red = PacTrainReducer(masks, average=False, on_mismatch="resync", stable_steps=0)
+    for step in range(3):
+        grads = integer_grads(step, np.float32)
+        reference = dense_reference(grads, reference_masks, False)
+        red.reduce(grads)
+        assert_exact(grads, reference, f"resync step {step}")
+    assert all(m is None or np.array_equal(m, r) for m, r in zip(masks, reference_masks))
+    assert red.stats["resyncs"] == 1, red.stats
+    assert red.stats["packed_reductions"] > 0
+    ok("resync")
+
+
+def scenario_layout():
+    dtypes = [np.float32] * len(SHAPES)
+    cases = {
+        "length": dict(shapes=[(18, 5) if i == 0 and rank == 1 else s
+                               for i, s in enumerate(SHAPES)]),
+        "dtype": dict(dtypes=[np.float64 if rank == 1 else np.float32] * len(SHAPES)),
+        "buckets": dict(bucket_bytes=8 if rank == 1 else 1 << 20),
+        "quantize": dict(quantize="fp16" if rank == 1 else None),
+    }
+    for name, case in cases.items():
+        shapes = case.get("shapes", SHAPES)
+        case_dtypes = case.get("dtypes", dtypes)
+        masks = [None] * len(shapes)
+        red = PacTrainReducer(masks, quantize=case.get("quantize"),
+                              bucket_bytes=case.get("bucket_bytes", 1 << 20))
+        grads = [np.ones(s, dtype=d) for s, d in zip(shapes, case_dtypes)]
+        expect_raise(LayoutMismatchError, lambda: red.reduce(grads), "offending ranks")
+    ok("layout")
+
+
+def scenario_bad_input():
+    masks = shared_masks()
+    red = PacTrainReducer(masks)
+    grads = integer_grads(0, np.float32)
+    if rank == world - 1:
+        grads[0] = grads[0].astype(np.int64)
+    expect_raise(RankInputError, lambda: red.reduce(grads),
+                 f"rank {world - 1}: TypeError: gradient 0 dtype int64 is not supported")
+    bad = [None if m is None else m.astype(np.int8) for m in shared_masks()]
+    if rank == 1:
+        bad[0][0, 0] = 2
+    expect_raise(RankInputError, lambda: PacTrainReducer(bad), "found value 2")
+    expect_raise(RankInputError, lambda: PacTrainReducer(masks, quantize="binary"),
+                 "quantize must be one of", "'binary'")
+    ok("bad_input")
+
+
+def scenario_mask_change():
+    masks = shared_masks()
+    red = PacTrainReducer(masks, average=False, stable_steps=1)
+    fallbacks = []
+    for step in range(6):
+        if step == 3:  # every rank prunes further, in the same step
+            masks[0][...] &= np.arange(masks[0].size).reshape(masks[0].shape) % 2 == 0
+        grads = integer_grads(step, np.float32)
+        reference = dense_reference(grads, masks, False)
+        before = red.stats["dense_fallbacks"]
+        red.reduce(grads)
+        assert_exact(grads, reference, f"mask change step {step}")
+        fallbacks.append(red.stats["dense_fallbacks"] - before)
+    everyone = comm.allgather(fallbacks)
+    assert all(f == everyone[0] for f in everyone), everyone
+    assert fallbacks[3] == 1 and fallbacks[4] == 0 and fallbacks[0] > 0, fallbacks
+    assert red.tracker.version == 2
+    ok("mask_change")
+
+
+def scenario_state():
+    masks = shared_masks()
+    original = PacTrainReducer(masks, quantize="ternary", average=True, seed=3,
+                               shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
+
+    def grads_at(step):
+        rng = np.random.default_rng(100 + step + rank)
+        return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+    for step in range(3):
+        original.reduce(grads_at(step))
+    saved = original.state_dict()
+    clone = pickle.loads(pickle.dumps(original))
+    restored = PacTrainReducer(masks, quantize="ternary", average=True, seed=3,
+                               shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
+    restored.load_state_dict(saved)
+    for step in range(3, 5):
+        results = []
+        for red in (original, clone, restored):
+            grads = grads_at(step)
+            red.reduce(grads)
+            results.append(grads)
+        for other in results[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(results[0], other)), step
+    every3 = PacTrainReducer(masks, verify_every=3)
+    for step in range(6):
+        every3.reduce(integer_grads(step, np.float32))
+    assert every3.stats["verifications"] == 2, every3.stats
+    wrong = PacTrainReducer(masks, quantize=None, shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
+    expect_raise(RankInputError, lambda: wrong.load_state_dict(saved), "quantize='ternary'")
+    ok("state")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        globals()[f"scenario_{name}"]()

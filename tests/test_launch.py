@@ -1,0 +1,426 @@
+"""Tests for pacmpi.launch: command lines, rate parsing, failure reports, CLI, and the real
+bandwidth-limited test bed (skipped, with the reason, where it cannot be created)."""
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pacmpi.launch import (CalibrationError, LinkTestbed, MPIDetectionError, MPIFlavor,
+                           RankFailure, TestbedError, build_horovodrun_command,
+                           build_mpirun_command, describe_failure, detect_mpi, link_model,
+                           parse_mpi_version, parse_rank_failure, parse_rate,
+                           ring_allreduce_settings, run_command)
+from pacmpi.launch.cli import main
+
+PY = sys.executable
+OMPI5 = MPIFlavor("openmpi", (5, 0, 11), "mpirun")
+OMPI4 = MPIFlavor("openmpi", (4, 1, 5), "mpirun")
+MPICH = MPIFlavor("mpich", (4, 1, 2), "mpiexec")
+INTEL = MPIFlavor("intel", (2021, 10), "mpirun")
+
+
+@pytest.fixture(autouse=True)
+def venv_first_on_path(monkeypatch):
+    """The venv's bin (mpirun, horovodrun) first on PATH, as the docs tell users to do."""
+    monkeypatch.setenv("PATH", f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def netns_names():
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
+
+
+def _testbed_skip_reason():
+    if os.geteuid() != 0:
+        return "the test bed needs root"
+    probe = f"pacmpi-probe-{os.getpid()}"
+    try:
+        done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                              timeout=30)
+    except FileNotFoundError:
+        return "iproute2's ip is not installed"
+    if done.returncode != 0:
+        return f"`ip netns add` failed here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+_SKIP = _testbed_skip_reason()
+needs_testbed = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+
+
+# --- MPI detection and command lines -------------------------------------------------------
+
+@pytest.mark.parametrize("banner, kind, version", [
+    ("mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n",
+     "openmpi", (5, 0, 11)),
+    ("mpirun (Open MPI) 4.1.5\n", "openmpi", (4, 1, 5)),
+    ("HYDRA build details:\n    Version:                                 4.1.2\n"
+     "    Release Date:                            Wed Jun  7 15:22:45 CDT 2023\n",
+     "mpich", (4, 1, 2)),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619 (id: c2e19c2f3e)\n"
+     "Copyright 2003-2023, Intel Corporation.\n", "intel", (2021, 10)),
+])
+def test_parse_mpi_version(banner, kind, version):
+    flavor = parse_mpi_version(banner, "/opt/bin/mpirun")
+    assert (flavor.kind, flavor.version, flavor.mpirun) == (kind, version, "/opt/bin/mpirun")
+
+
+def test_parse_mpi_version_unknown():
+    with pytest.raises(MPIDetectionError, match="no MPI that pacmpi-run knows: 'Frobnicator 1.0'"):
+        parse_mpi_version("Frobnicator 1.0\n")
+
+
+def test_detect_mpi_missing_names_the_launcher(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(MPIDetectionError, match="'mpirun' not found on PATH"):
+        detect_mpi()
+
+
+def test_openmpi5_full_command():
+    cmd = build_mpirun_command(OMPI5, 4, ["python", "train.py", "--lr", "0.1"],
+                               oversubscribe=True, allow_root=True,
+                               env_forward=["PYTHONPATH", "OMP_NUM_THREADS=1"],
+                               hostfile="hosts", extra_mca={"btl_tcp_sndbuf": 0},
+                               tcp_only_interface="lo")
+    assert cmd == ["mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
+                   "--output", "tag", "--hostfile", "hosts",
+                   "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS=1",
+                   "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                   "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo",
+                   "--mca", "btl_tcp_sndbuf", "0",
+                   "python", "train.py", "--lr", "0.1"]
+
+
+def test_openmpi4_minimal_command():
+    assert build_mpirun_command(OMPI4, 2, ["./a.out"], allow_root=False) == [
+        "mpirun", "-n", "2", "--tag-output", "./a.out"]
+    assert build_mpirun_command(OMPI4, 2, ["./a.out"], allow_root=False, tag_output=False) == [
+        "mpirun", "-n", "2", "./a.out"]
+
+
+def test_allow_root_follows_euid(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert "--allow-run-as-root" in build_mpirun_command(OMPI5, 2, ["x"])
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "--allow-run-as-root" not in build_mpirun_command(OMPI5, 2, ["x"])
+
+
+def test_mpich_command():
+    cmd = build_mpirun_command(MPICH, 4, ["python", "t.py"], oversubscribe=True, allow_root=True,
+                               env_forward=["PYTHONPATH", "HOME", "A=1"], hostfile="hosts")
+    # Root and oversubscription need no flag with Hydra.
+    assert cmd == ["mpiexec", "-n", "4", "-prepend-rank", "-f", "hosts",
+                   "-genvlist", "PYTHONPATH,HOME", "-genv", "A", "1", "python", "t.py"]
+
+
+def test_mpich_tcp_only_turns_off_shared_memory():
+    cmd = build_mpirun_command(MPICH, 2, ["t"], tag_output=False, tcp_only_interface="lo")
+    assert cmd == ["mpiexec", "-n", "2", "-iface", "lo", "-genv", "MPIR_CVAR_NOLOCAL", "1",
+                   "-genv", "MPIR_CVAR_CH3_NOLOCAL", "1", "t"]
+
+
+def test_intel_command():
+    cmd = build_mpirun_command(INTEL, 8, ["python", "t.py"], env_forward=["X"],
+                               tcp_only_interface="lo")
+    assert cmd == ["mpirun", "-n", "8", "-iface", "lo", "-prepend-rank", "-genvlist", "X",
+                   "-genv", "I_MPI_FABRICS", "ofi", "-genv", "FI_PROVIDER", "tcp",
+                   "python", "t.py"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 0, "argv": ["x"]}, "rank count must be at least 1"),
+    ({"n": 2, "argv": []}, "no command to run"),
+    ({"n": 2, "argv": ["x"], "env_forward": ["1BAD=2"]}, "bad environment variable entry '1BAD=2'"),
+])
+def test_mpirun_command_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_mpirun_command(OMPI5, **kwargs)
+
+
+def test_horovodrun_commands():
+    assert build_horovodrun_command(4, ["python", "t.py"]) == [
+        "horovodrun", "--gloo", "-np", "4", "-H", "localhost:4", "python", "t.py"]
+    assert build_horovodrun_command(8, ["t"], gloo=False, hosts="a:4,b:4",
+                                    network_interface="eth0") == [
+        "horovodrun", "--mpi", "-np", "8", "-H", "a:4,b:4", "--network-interface", "eth0", "t"]
+
+
+def test_ring_allreduce_settings():
+    assert ring_allreduce_settings(OMPI5) == (
+        {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}, [])
+    assert ring_allreduce_settings(MPICH) == ({}, ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"])
+    assert ring_allreduce_settings(INTEL) == ({}, [])
+
+
+# --- rates and the link model ---------------------------------------------------------------
+
+@pytest.mark.parametrize("text, bps", [
+    ("100mbit", 10**8), ("1gbit", 10**9), ("1Gbit", 10**9), ("2.5gbit", 25 * 10**8),
+    ("500kbit", 5 * 10**5), ("9600bit", 9600), (" 10 mbit ", 10**7),
+])
+def test_parse_rate(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text", ["100mbps", "fast", "100", "mbit", "-1mbit", "0mbit", ""])
+def test_parse_rate_error_names_the_value(text):
+    with pytest.raises(ValueError, match=f"bad link rate {text!r}"):
+        parse_rate(text)
+
+
+def test_link_model():
+    # 4 ranks, 1 MB in 0.48 s: 6 MB cross the shared link -> 100 Mbit/s.
+    rates = link_model(4, 10**6, 0.48)
+    assert rates["link_bps"] == pytest.approx(1e8)
+    assert rates["algbw_bps"] == pytest.approx(1e8 / 6)
+    assert rates["busbw_bps"] == pytest.approx(1e8 / 4)
+
+
+def test_testbed_bad_rate_fails_before_touching_anything():
+    with pytest.raises(ValueError, match="bad link rate '1gbps'"):
+        LinkTestbed("1gbps")
+
+
+# --- failure reports ------------------------------------------------------------------------
+
+OMPI5_SIGNAL = """--------------------------------------------------------------------------
+prterun noticed that process rank 2 with PID 4094 on node vm exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+OMPI5_EXIT = """prterun detected that one or more processes exited with non-zero status,
+thus causing the job to be terminated. The first process to do so was:
+
+   Process name: [prterun-vm-4102@1,1]
+   Exit code:    3
+"""
+OMPI4_EXIT = "  Process name: [[51284,1],3]\n  Exit status:\n  Process name: [[51284,1],3]\n  Exit code:    7\n"
+HOROVOD = "Process 1 exit with status code 137.\nTerminating remaining workers after failure of Process 1.\n"
+HYDRA = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 1234 RUNNING AT node7\n"
+         "=   EXIT CODE: 9\n")
+
+
+@pytest.mark.parametrize("text, expected", [
+    (OMPI5_SIGNAL, RankFailure(rank=2, signal=9, pid=4094, node="vm")),
+    (OMPI5_EXIT, RankFailure(rank=1, exit_code=3)),
+    (OMPI4_EXIT, RankFailure(rank=3, exit_code=7)),
+    (HOROVOD, RankFailure(rank=1, exit_code=137)),
+    ("RuntimeError: ...\nProcess name: 1\nExit code: 137\n", RankFailure(rank=1, exit_code=137)),
+    (HYDRA, RankFailure(exit_code=9)),
+    ("Traceback: something else\n", None),
+])
+def test_parse_rank_failure(text, expected):
+    assert parse_rank_failure(text) == expected
+
+
+def test_describe_failure():
+    assert describe_failure(RankFailure(rank=2, signal=9, pid=4094, node="vm"), 137) == (
+        "pacmpi-run: rank 2 (pid 4094, node vm) was killed by signal 9 (SIGKILL); "
+        "mpirun exited with status 137")
+    assert describe_failure(RankFailure(rank=1, exit_code=137), 1, "horovodrun") == (
+        "pacmpi-run: rank 1 exited with code 137 (= 128 + SIGKILL); horovodrun exited with status 1")
+    assert describe_failure(RankFailure(exit_code=9), 9) == (
+        "pacmpi-run: a rank (not named by the launcher) exited with code 9; "
+        "mpirun exited with status 9")
+    assert describe_failure(None, 1) == (
+        "pacmpi-run: mpirun exited with status 1 (its output names no failed rank)")
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+def test_cli_dry_run_prints_the_command(capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert main(["-n", "4", "--oversubscribe", "-x", "OMP_NUM_THREADS=1", "--dry-run", "--",
+                 "python", "train.py", "--name", "a b"]) == 0
+    mpirun = str(Path(PY).parent / "mpirun")
+    assert capsys.readouterr().out == (
+        f"{mpirun} -n 4 --allow-run-as-root --oversubscribe --output tag "
+        "-x OMP_NUM_THREADS=1 python train.py --name 'a b'\n")
+
+
+def test_cli_dry_run_with_link_needs_no_root(capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["-n", "2", "--link", "100mbit", "--dry-run", "--", "python", "t.py"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    name = lines[0].split()[-1]
+    assert name.startswith(f"pacmpi-{os.getpid()}-")
+    assert lines[:4] == [
+        f"# test bed: ip netns add {name}",
+        f"# test bed: ip netns exec {name} ip link set lo up",
+        f"# test bed: ip netns exec {name} ip link set lo mtu 9000",
+        f"# test bed: ip netns exec {name} tc qdisc add dev lo root tbf rate 100000000bit "
+        "burst 64kb latency 200ms"]
+    mpirun = str(Path(PY).parent / "mpirun")
+    assert lines[4] == (
+        f"ip netns exec {name} {mpirun} -n 2 --output tag --mca pml ob1 --mca btl tcp,self "
+        "--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo python t.py")
+    assert len(lines) == 5
+
+
+def test_cli_dry_run_horovod(capsys):
+    assert main(["-n", "2", "--horovod", "--dry-run", "--", "python", "t.py"]) == 0
+    assert capsys.readouterr().out == "horovodrun --gloo -np 2 -H localhost:2 python t.py\n"
+
+
+def test_cli_command_without_double_dash(capsys):
+    assert main(["-n", "2", "--horovod", "--dry-run", "python", "t.py", "--lr", "1"]) == 0
+    assert capsys.readouterr().out == "horovodrun --gloo -np 2 -H localhost:2 python t.py --lr 1\n"
+
+
+def test_cli_needs_a_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-n", "2", "--"])
+    assert exit_info.value.code == 2
+    assert "no command given" in capsys.readouterr().err
+
+
+def test_cli_bad_rate(capsys):
+    assert main(["-n", "2", "--link", "fast", "--", "true"]) == 2
+    assert "pacmpi-run: error: bad link rate 'fast'" in capsys.readouterr().err
+
+
+# --- preconditions --------------------------------------------------------------------------
+
+def test_precondition_not_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(TestbedError, match="--link needs root"):
+        LinkTestbed("100mbit").check_preconditions()
+    assert main(["-n", "2", "--link", "100mbit", "--", "true"]) == 2
+    assert "pacmpi-run: error: --link needs root" in capsys.readouterr().err
+
+
+def test_precondition_missing_ip(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    testbed = LinkTestbed("100mbit")
+    with pytest.raises(TestbedError, match="needs iproute2's `ip` on PATH"):
+        with testbed:
+            pass
+    assert not testbed.active
+
+
+def test_precondition_missing_tc(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    (tmp_path / "ip").symlink_to("/bin/true")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(TestbedError, match="needs iproute2's `tc` on PATH"):
+        LinkTestbed("100mbit").check_preconditions()
+
+
+# --- real runs under mpirun (no test bed) ---------------------------------------------------
+
+KILL_RANK_1 = ("import os, signal; from mpi4py import MPI; "
+               "MPI.COMM_WORLD.rank == 1 and os.kill(os.getpid(), signal.SIGKILL); "
+               "MPI.COMM_WORLD.Barrier()")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_killed_rank_is_named():
+    result = run_command([PY, "-c", KILL_RANK_1], 2, oversubscribe=True, capture=True,
+                         echo=False, timeout=45)
+    assert result.returncode == 137
+    assert result.failure == RankFailure(rank=1, signal=9, pid=result.failure.pid,
+                                         node=result.failure.node)
+    assert result.failure_message.startswith("pacmpi-run: rank 1 (pid ")
+    assert "was killed by signal 9 (SIGKILL); mpirun exited with status 137" in result.failure_message
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_failed_rank_exit_code_is_named(capsys):
+    # Rank 0 waits in a barrier, so mpirun has to end the job and report the failed rank
+    # (when every other rank has already finished cleanly, prterun only sometimes reports it).
+    code = ("import os; from mpi4py import MPI; "
+            "MPI.COMM_WORLD.rank == 1 and os._exit(5); MPI.COMM_WORLD.Barrier()")
+    assert main(["-n", "2", "--oversubscribe", "--timeout", "45", "--", PY, "-c", code]) == 5
+    assert "pacmpi-run: rank 1 exited with code 5; mpirun exited with status 5" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_timeout_ends_the_job():
+    result = run_command([PY, "-c", "import time; time.sleep(60)"], 2, oversubscribe=True,
+                         capture=True, echo=False, timeout=2, grace=5)
+    assert (result.returncode, result.timed_out) == (124, True)
+    assert result.failure_message == "pacmpi-run: mpirun ended after the 2 s timeout"
+
+
+# --- the real test bed ----------------------------------------------------------------------
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+def test_link_run_calibrates_and_runs_inside_the_namespace():
+    before = netns_names()
+    probe = "import subprocess; print('NS', subprocess.check_output(['ip', 'netns', 'identify']).decode().strip())"
+    result = run_command([PY, "-c", probe], 2, link="100mbit", capture=True, echo=False,
+                         timeout=60)
+    assert result.returncode == 0, result.stderr
+    calibration = result.calibration
+    assert calibration["n"] == 2 and calibration["algorithm"] == "ring"
+    assert abs(calibration["link_bps"] / 1e8 - 1) <= 0.15, calibration
+    name = result.command[3]
+    assert result.stdout.count(f"NS {name}") == 2  # both ranks ran inside the namespace
+    assert name not in netns_names() and netns_names() <= before
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_namespace_removed_after_exception_and_refused_calibration():
+    testbed = LinkTestbed("100mbit")
+    with pytest.raises(CalibrationError, match="calibration refused") as refused:
+        with testbed:
+            assert testbed.name in netns_names()
+            # A zero tolerance no real link meets: the refusal path, with real numbers.
+            testbed.calibrate(2, nbytes=2**20, repeats=1, tolerance=0.0)
+    assert refused.value.result["nbytes"] == 2**20
+    assert testbed.name not in netns_names()
+
+    testbed = LinkTestbed("1gbit")
+    with pytest.raises(RuntimeError, match="boom"):
+        with testbed:
+            assert testbed.name in netns_names()
+            raise RuntimeError("boom")
+    assert testbed.name not in netns_names()
+
+
+def _wait_for_line(stream, text, timeout):
+    """Return the first line of ``stream`` containing ``text``; fail after ``timeout`` s."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    while True:
+        line = lines.get(timeout=timeout)
+        if text in line:
+            return line
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_pacmpi_run_removes_namespace(signum, status):
+    before = netns_names()
+    sleeper = "import time; print('up', flush=True); time.sleep(120)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([PY, "-m", "pacmpi.launch.cli", "-n", "2", "--link", "100mbit",
+                             "--no-calibrate", "--timeout", "60", "--", PY, "-c", sleeper],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for_line(proc.stdout, "up", timeout=30)
+        created = netns_names() - before
+        assert len(created) == 1
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == status
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert not (created & netns_names())
