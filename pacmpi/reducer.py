@@ -258,17 +258,47 @@ class PacTrainReducer:
         return np if first is None else array_module(first)
 
     def _flat_masks(self, xp):
+        """Each bucket's current flat boolean mask (a view when the bucket holds one bool
+        mask), or ``None`` for a bucket without masks."""
         flats = []
         for bucket in self._layout.buckets:
             masked = [m for m in bucket.members if self._masks[m.index] is not None]
             if not masked:
                 flats.append(None)
                 continue
+            only = self._masks[masked[0].index]
+            if len(bucket.members) == 1 and only.dtype == np.bool_ and only.flags.c_contiguous:
+                flats.append(only.reshape(-1))
+                continue
             flat = xp.ones(bucket.size, dtype=xp.bool_)
             for m in masked:
                 flat[m.offset:m.offset + m.size] = self._masks[m.index].reshape(-1) != 0
             flats.append(flat)
         return flats
+
+    def _observe(self, xp, flats):
+        """Agreed-upon snapshots of ``flats`` with their (fingerprint, survivors).
+
+        An unchanged mask (one comparison pass) reuses the previous snapshot's fingerprint;
+        the snapshot, not the caller's array, is what the step packs with.
+        """
+        cache = self.__dict__.setdefault("_snapshots", {})
+        snapshots, observations = [], []
+        for b, flat in enumerate(flats):
+            previous = cache.get(b)
+            if flat is None:
+                cache.pop(b, None)
+                snapshots.append(None)
+                observations.append((None, None))
+                continue
+            if previous is None or previous[0].shape != flat.shape or not bool(
+                    xp.array_equal(previous[0], flat)):
+                snapshot = flat.copy()
+                previous = (snapshot, MaskTracker.observe(xp, snapshot))
+                cache[b] = previous
+            snapshots.append(previous[0])
+            observations.append(previous[1])
+        return snapshots, observations
 
     def _verify(self, local_error):
         started = time.perf_counter()
@@ -277,8 +307,7 @@ class PacTrainReducer:
         fields["input_error"] = 0 if local_error is None else 1
         flats, observations = [], []
         if local_error is None:
-            flats = self._flat_masks(xp)
-            observations = [MaskTracker.observe(xp, f) for f in flats]
+            flats, observations = self._observe(xp, self._flat_masks(xp))
             fields.update(self._fields(observations))
         mismatched, maxima = agree(self.collectives, fields)
         self.stats["verifications"] += 1
@@ -347,18 +376,19 @@ class PacTrainReducer:
         raise error_type("\n".join(lines), details=details, offending_ranks=bad)
 
     def _resync(self, xp, flats):
-        for flat in flats:
+        """Adopt rank 0's masks: broadcast each bucket's mask and write it into the arrays."""
+        for bucket, flat in zip(self._layout.buckets, flats):
             if flat is None:
                 continue
-            words = flat.astype(xp.uint8)
-            self.collectives.bcast(words, root=0)
-            flat[...] = words.astype(xp.bool_)
-        for bucket, flat in zip(self._layout.buckets, flats):
+            received = flat.astype(xp.uint8)
+            self.collectives.bcast(received, root=0)
+            received = received.astype(xp.bool_)
             for m in bucket.members:
                 mask = self._masks[m.index]
                 if mask is not None:
-                    mask[...] = flat[m.offset:m.offset + m.size].reshape(m.shape)
-        return flats, [MaskTracker.observe(xp, f) for f in flats]
+                    mask[...] = received[m.offset:m.offset + m.size].reshape(m.shape)
+        self._snapshots.clear()
+        return self._observe(xp, self._flat_masks(xp))
 
     # ------------------------------------------------------------------ buckets
     def _launch_ready(self, grads):
@@ -525,15 +555,16 @@ class PacTrainReducer:
             tracker.version = tracker_state["version"]
             tracker.last_commit_step = tracker_state["last_commit_step"]
             xp = self._xp()
-            flats = self._flat_masks(xp)
-            for b, (saved, flat) in enumerate(zip(tracker_state["buckets"], flats)):
+            flats, observations = self._observe(xp, self._flat_masks(xp))
+            for b, (saved, flat, observed) in enumerate(
+                    zip(tracker_state["buckets"], flats, observations)):
                 bucket_state = tracker.buckets[b]
                 bucket_state.fingerprint = saved["fingerprint"]
                 bucket_state.survivors = saved["survivors"]
                 bucket_state.stable_steps = saved["stable_steps"]
                 bucket_state.mask = flat
                 if flat is not None and saved["fingerprint"] is not None:
-                    if MaskTracker.observe(xp, flat)[0] != saved["fingerprint"]:
+                    if observed[0] != saved["fingerprint"]:
                         raise ValueError(f"masks of bucket {b} differ from the checkpoint's")
                 if saved["packed"]:
                     bucket_state.indices = xp.flatnonzero(flat)
@@ -549,4 +580,5 @@ class PacTrainReducer:
         state = self.__dict__.copy()
         state["_collectives"] = None
         state.pop("_buffers", None)
+        state.pop("_snapshots", None)
         return state

@@ -54,7 +54,7 @@ class MaskTracker:
         """Fingerprint and survivor count of one bucket's flat mask (``None``: unmasked)."""
         if flat_mask is None:
             return None, None
-        return mask_fingerprint(xp, flat_mask), int(flat_mask.sum())
+        return mask_fingerprint(xp, flat_mask), int(xp.count_nonzero(flat_mask))
 
     def commit(self, step, observations, masks):
         """Adopt agreed observations ``[(fingerprint, survivors)]`` and flat ``masks`` of ``step``.

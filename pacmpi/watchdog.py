@@ -115,6 +115,8 @@ class _Wait:
         dog = self._dog
         dog._waiting = None
         _WAITING.pack_into(dog._map, _WAITING_AT, _NOT_WAITING)
+        if dog._warned is not None:
+            dog._resolve()
         return False
 
 
@@ -173,6 +175,8 @@ class StallWatchdog:
         self._labels = {}
         self._seq = 0
         self._waiting = None
+        self._warned = None  # the (seq, name, start) last warned about, until it completes
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pacmpi-stall-watchdog",
                                         daemon=True)
@@ -251,18 +255,26 @@ class StallWatchdog:
         except (OSError, ValueError):
             pass
 
+    def _resolve(self):
+        """Say that the collective warned about has completed (main thread or watchdog)."""
+        with self._lock:
+            warned = self._warned
+            if warned is None or warned is self._waiting:
+                return
+            self._warned = None
+        self._say(f"collective #{warned[0]} ({warned[1]}) completed after about "
+                  f"{time.monotonic() - warned[2]:.1f} s")
+
     def _run(self):
-        warned = None
+        checked = None  # the wait already checked against warn_after
         flushed_seq = None
         while not self._stop.wait(self.poll_interval):
             if self._seq != flushed_seq:
                 flushed_seq = self._seq
                 self._map.flush()  # msync: lets shared filesystems publish the heartbeat
             current = self._waiting
-            if warned is not None and current is not warned:
-                self._say(f"collective #{warned[0]} ({warned[1]}) completed after about "
-                          f"{time.monotonic() - warned[2]:.1f} s")
-                warned = None
+            if self._warned is not None:
+                self._resolve()  # in case the wait ended while the warning was being written
             if current is None:
                 continue
             seq, name, started = current
@@ -271,11 +283,13 @@ class StallWatchdog:
                 _, line = self.describe(seq, name, waited)
                 self._say(f"{line}; aborting the job after abort_after={self.abort_after} s")
                 abort_job(self.abort_code)
-            if waited >= self.warn_after and warned is not current:
-                warned = current
+            if waited >= self.warn_after and checked is not current:
+                checked = current
                 should_print, line = self.describe(seq, name, waited)
                 if should_print:
                     self._say(line)
+                    with self._lock:
+                        self._warned = current
 
     def close(self):
         """Stop the thread and remove this rank's heartbeat file (also run at exit)."""
@@ -284,6 +298,8 @@ class StallWatchdog:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        self._waiting = None
+        self._resolve()
         self._map.close()
         try:
             os.unlink(self._path)

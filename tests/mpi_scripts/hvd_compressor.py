@@ -137,7 +137,7 @@ class Codes(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.w = nn.Parameter(torch.zeros(5, 7))
+        self.w = nn.Parameter(torch.zeros(40, 50))
         self.b = nn.Parameter(torch.zeros(9))
 
     def forward(self, c, d):
@@ -148,14 +148,14 @@ def ternary_grads(rank):
     # Values in {-3, 0, 3} with |3| present on every rank: the agreed scale is 3 and the
     # stochastic rounding is deterministic (probability 0 or 1), so codes are c / 3.
     gen = torch.Generator().manual_seed(rank)
-    c = 3 * torch.randint(-1, 2, (5, 7), generator=gen).float()
+    c = 3 * torch.randint(-1, 2, (40, 50), generator=gen).float()
     d = 3 * torch.randint(-1, 2, (9,), generator=gen).float()
     c[0, 0] = d[0] = 3
     return c, d
 
 
 def scenario_ternary():
-    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(5)) < 0.5
+    mask = torch.rand(40, 50, generator=torch.Generator().manual_seed(5)) < 0.5
     c, d = ternary_grads(hvd.rank())
     code_sum_w = hvd.allreduce((c / 3).long() * mask, op=hvd.Sum, name="codes.w")
     code_sum_b = hvd.allreduce((d / 3).long(), op=hvd.Sum, name="codes.b")
@@ -180,8 +180,8 @@ def scenario_ternary():
     # Stochastic rounding (scale 3, values +-1, +-2): every result is scale * (sum of codes).
     model = Codes()
     compressor = PacTrainCompressor(model, {"w": mask}, quantize="ternary")
-    values = torch.randint(-2, 3, (5, 7), generator=torch.Generator().manual_seed(hvd.rank()))
-    values[0, 0] = 3
+    values = torch.randint(-2, 3, (40, 50), generator=torch.Generator().manual_seed(hvd.rank()))
+    values.view(-1)[mask.view(-1).nonzero()[0]] = 3  # a survivor: the agreed scale is 3
     model(values.float(), d).backward()
     got = hvd.allreduce(model.w.grad, op=hvd.Sum, compression=compressor, name="stochastic")
     sums = got / 3

@@ -1,0 +1,25 @@
+# pacmpi: `make demo` runs the main job, `make test` the test suite; both set up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+RANKS ?= 4
+
+.PHONY: setup demo test bench-allreduce bench-train clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh $(RANKS)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench-allreduce: setup
+	$(VENV)/bin/pacmpi-run -n $(RANKS) --oversubscribe -- $(PY) -m pacmpi.cli bench allreduce --json results/bench_allreduce.json
+
+bench-train: setup
+	$(VENV)/bin/pacmpi bench train --json results/bench_train.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

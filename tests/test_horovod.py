@@ -1,0 +1,79 @@
+"""PacTrainCompressor and HorovodCollectives on 2 Horovod ranks, under both controllers.
+
+Each scenario of tests/mpi_scripts/hvd_compressor.py runs under ``horovodrun --gloo`` (Gloo
+controller) and under plain ``mpirun`` (``hvd.init()`` picks the MPI controller); a hang fails
+the test at its timeout, and every rank must report its outcome.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi_util import MPI_SCRIPTS, run_mpi
+
+pytest.importorskip("horovod.torch")
+
+SCRIPT = "hvd_compressor.py"
+RANKS = 2
+TIMEOUT = 90
+
+
+def run_horovod_gloo(script, n, *args, timeout=TIMEOUT):
+    """``horovodrun --gloo`` on ``n`` local ranks, killed with its whole session on timeout."""
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    argv = [str(horovodrun), "--gloo", "-np", str(n), "-H", f"localhost:{n}",
+            sys.executable, str(MPI_SCRIPTS / script), *map(str, args)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script} under horovodrun --gloo -np {n} did not finish within "
+                             f"{timeout}s (hang?)\nstdout: {stdout}\nstderr: {stderr}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+LAUNCHERS = {
+    "gloo": run_horovod_gloo,
+    "mpi": lambda script, n, *args: run_mpi(script, n, *args, timeout=TIMEOUT),
+}
+
+
+def output(result):
+    return f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("scenario", ["match", "gradual", "ternary", "reducer"])
+def test_scenario_passes_on_every_rank(launcher, scenario):
+    """match: packed training equals Horovod's dense training on masked grads (Average and
+    Sum), also through a bare hvd.allreduce, and a stray tensor fails on every rank;
+    gradual: a mask change mid-run falls back to dense, then packs again, still exact;
+    ternary: op=hvd.Sum decodes to exactly scale * (integer sum of codes), op=hvd.Average is
+    refused; reducer: PacTrainReducer over HorovodCollectives sums exactly."""
+    result = LAUNCHERS[launcher](SCRIPT, RANKS, scenario)
+    assert result.returncode == 0, output(result)
+    for rank in range(RANKS):
+        assert f"OK {scenario} rank {rank}" in result.stdout, output(result)
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_divergent_masks_fail_on_every_rank(launcher):
+    """Rank 1 moves its survivors at step 2 (same count): every rank raises
+    MaskMismatchError naming rank 1, before anything is summed, and the job exits non-zero."""
+    result = LAUNCHERS[launcher](SCRIPT, RANKS, "mismatch")
+    assert result.returncode != 0, output(result)
+    for rank in range(RANKS):
+        assert f"rank {rank} finished step 1" in result.stdout, output(result)
+        assert f"rank {rank} finished step 2" not in result.stdout, output(result)
+        assert re.search(rf"rank {rank} raised MaskMismatchError: ranks disagree on mask\S* .*"
+                         r"at step 2; offending ranks: \[1\]", result.stdout), output(result)
+    assert "masks differ from rank 0's for ['2.weight']" in result.stdout, output(result)
