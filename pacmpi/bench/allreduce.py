@@ -1,5 +1,9 @@
 """``pacmpi bench allreduce``: dense vs packed vs ternary all-reduce, like nccl-tests.
 
+Columns: time per all-reduce (slowest rank), algbw = dense-equivalent bytes / time, busbw =
+algbw * 2(n-1)/n, bytes each rank puts into the all-reduce, pacmpi's pack+unpack (including
+quantization) and verification time, and #wrong elements from a validation pass.
+
 Every method reduces the same integer-valued gradients under the same mask, so a validation
 pass can count wrong elements exactly; sizes are dense-equivalent float32 bytes.
 """
@@ -9,6 +13,7 @@ import time
 
 import numpy as np
 
+from ..arrays import to_host
 from ..collectives import default_collectives
 from ..reducer import PacTrainReducer
 from ..ternary import wire_bits_table
@@ -37,7 +42,7 @@ def _dense(collectives, wire_dtype):
         wire = grads[0].astype(wire_dtype, copy=wire_dtype != grads[0].dtype)
         collectives.allreduce(wire, "sum")
         grads[0][...] = wire
-        return wire.nbytes, 0.0
+        return wire.nbytes, 0.0, 0.0
     return reduce
 
 
@@ -49,8 +54,8 @@ def _packed(collectives, mask, quantize, bucket_bytes):
     def reduce(grads):
         before = [reducer.stats[k] for k in keys]
         reducer.reduce(grads)
-        delta = [reducer.stats[k] - b for k, b in zip(keys, before)]
-        return delta[0], sum(delta[1:])
+        sent, pack, unpack, verify = (reducer.stats[k] - b for k, b in zip(keys, before))
+        return sent, pack + unpack, verify
     return reduce
 
 
@@ -73,31 +78,34 @@ def _count_wrong(method, result, reference, mask, scale, world):
     return int(np.count_nonzero(off_lattice | out_of_range | pruned_nonzero))
 
 
-def _bench_one(collectives, method, count, density, iters, warmup, bucket_bytes, seed):
+def _bench_one(collectives, method, count, density, iters, warmup, bucket_bytes, seed, xp):
     world, rank = collectives.size, collectives.rank
     mask = np.random.default_rng(seed).random(count) < density
     grads = (np.random.default_rng(seed + 1 + rank).integers(-8, 9, size=count)
              .astype(np.float32) * mask)
-    reduce = _make_reduce(method, collectives, mask, bucket_bytes)
-    work = [np.empty_like(grads)]
-    times, wire, overhead = [], 0, 0.0
+    reduce = _make_reduce(method, collectives, xp.asarray(mask), bucket_bytes)
+    device_grads = xp.asarray(grads)
+    work = [xp.empty_like(device_grads)]
+    times, wire, overhead, verify = [], 0, 0.0, 0.0
     for i in range(warmup + iters):
-        work[0][...] = grads
+        work[0][...] = device_grads
         sync = np.zeros(1)
         collectives.allreduce(sync, "max")  # a barrier over the same transport
         started = time.perf_counter()
-        wire_bytes, extra = reduce(work)
+        wire_bytes, pack_unpack, verify_seconds = reduce(work)
         elapsed = time.perf_counter() - started
         if i >= warmup:
             times.append(elapsed)
-            wire, overhead = wire + wire_bytes, overhead + extra
+            wire += wire_bytes
+            overhead += pack_unpack
+            verify += verify_seconds
     slowest = np.array(times)
     collectives.allreduce(slowest, "max")
     reference = grads.astype(np.float64)
     collectives.allreduce(reference, "sum")
     scale = np.array([np.abs(grads).max() if count else 0.0])
     collectives.allreduce(scale, "max")
-    wrong = np.array([_count_wrong(method, work[0], reference, mask, scale[0], world)],
+    wrong = np.array([_count_wrong(method, to_host(work[0]), reference, mask, scale[0], world)],
                      dtype=np.int64)
     collectives.allreduce(wrong, "sum")
     dense_bytes = count * 4
@@ -109,13 +117,18 @@ def _bench_one(collectives, method, count, density, iters, warmup, bucket_bytes,
         "time_max_us": float(slowest.max()) * 1e6, "algbw_GBps": algbw,
         "busbw_GBps": algbw * 2 * (world - 1) / world,
         "wire_bytes_per_rank": wire // max(iters, 1),
-        "overhead_us": overhead / max(iters, 1) * 1e6, "wrong": int(wrong[0]),
+        "pack_unpack_us": overhead / max(iters, 1) * 1e6,
+        "verify_us": verify / max(iters, 1) * 1e6, "wrong": int(wrong[0]),
     }
 
 
 def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, seed=0,
-        collectives=None):
-    """Benchmark every (size, density, method); returns the rows (identical on all ranks)."""
+        collectives=None, xp=np):
+    """Benchmark every (size, density, method); returns the rows (identical on all ranks).
+
+    ``xp`` is ``numpy`` (host buffers) or ``cupy`` (device buffers, CUDA-aware MPI or host
+    staging as the transport decides).
+    """
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -131,22 +144,23 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
             for method in methods:
                 if method.startswith("dense") and density != densities[0]:
                     continue  # the dense baselines do not depend on the density
-                rows.append(_bench_one(collectives, method, count, density, n_iters, warmup,
-                                       bucket_bytes or max(size, 1 << 20), seed))
+                row = _bench_one(collectives, method, count, density, n_iters, warmup,
+                                 bucket_bytes or max(size, 1 << 20), seed, xp)
+                rows.append(dict(row, device="cuda" if xp is not np else "cpu"))
     return rows
 
 
 def format_table(rows):
     header = (f"{'size(B)':>11} {'count':>10} {'dens':>5} {'method':>17} {'avg(us)':>11} "
               f"{'min(us)':>11} {'max(us)':>11} {'algbw':>7} {'busbw':>7} {'wire(B)':>11} "
-              f"{'ovh(us)':>9} {'#wrong':>6}")
+              f"{'pack(us)':>9} {'verif(us)':>9} {'#wrong':>6}")
     lines = [header]
     for r in rows:
         lines.append(
             f"{r['size_bytes']:>11} {r['count']:>10} {r['density']:>5.2f} {r['method']:>17} "
             f"{r['time_avg_us']:>11.1f} {r['time_min_us']:>11.1f} {r['time_max_us']:>11.1f} "
             f"{r['algbw_GBps']:>7.3f} {r['busbw_GBps']:>7.3f} {r['wire_bytes_per_rank']:>11} "
-            f"{r['overhead_us']:>9.1f} {r['wrong']:>6}")
+            f"{r['pack_unpack_us']:>9.1f} {r['verify_us']:>9.1f} {r['wrong']:>6}")
     return "\n".join(lines)
 
 
@@ -164,8 +178,20 @@ def build_parser(parser=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--bucket-bytes", type=parse_size, default=None,
                         help="fusion bucket size (default: the message size)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="NumPy host buffers or CuPy device buffers (default %(default)s)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     return parser
+
+
+def local_rank():
+    """This process's rank among the ranks on its node, to give each rank its own GPU."""
+    from mpi4py import MPI
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
 
 
 def main(argv=None):
@@ -173,9 +199,13 @@ def main(argv=None):
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     densities = [float(d) for d in args.densities.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
+    xp = np
+    if args.device == "cuda":
+        import cupy as xp
+        xp.cuda.Device(local_rank() % xp.cuda.runtime.getDeviceCount()).use()
     collectives = default_collectives()
     rows = run(sizes, densities, methods, iters=args.iters, warmup=args.warmup,
-               bucket_bytes=args.bucket_bytes, collectives=collectives)
+               bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp)
     wrong = sum(r["wrong"] for r in rows)
     if collectives.rank == 0:
         print(format_table(rows))
