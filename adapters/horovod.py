@@ -204,7 +204,7 @@ class PacTrainCompressor:
         raise_together(self.collectives, error)
         self._step = 0
         self._outstanding = 0
-        self._by_id = {}
+        self._by_id, self._cached_ids = {}, [None] * len(self._params)
         self._torch_masks = [None] * len(self._params)
         self._indices = [None] * len(self._params)
         self._residuals = {}
@@ -272,6 +272,9 @@ class PacTrainCompressor:
             return index
         for index, param in enumerate(self._params):
             if param.grad is tensor:
+                # zero_grad(set_to_none=True) makes new grads every step: drop the stale id.
+                self._by_id.pop(self._cached_ids[index], None)
+                self._cached_ids[index] = id(tensor)
                 self._by_id[id(tensor)] = index
                 return index
         for index, param in enumerate(self._params):

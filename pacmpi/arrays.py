@@ -27,7 +27,7 @@ def array_module(array):
     cupy = _cupy()
     if cupy is not None and isinstance(array, cupy.ndarray):
         return cupy
-    if isinstance(array, np.ndarray) or np.isscalar(array):
+    if isinstance(array, np.ndarray):
         return np
     raise TypeError(
         f"expected a numpy.ndarray or cupy.ndarray, got {type(array).__module__}."

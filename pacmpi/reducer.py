@@ -186,6 +186,10 @@ class PacTrainReducer:
             if g is None:
                 raise ValueError(f"gradient {i} is None; pass zeros for a parameter without "
                                  "a gradient so every rank reduces the same buffers")
+            try:
+                array_module(g)
+            except TypeError as exc:
+                raise TypeError(f"gradient {i}: {exc}") from None
             if np.dtype(g.dtype) != dtype:
                 raise TypeError(f"gradient {i} has dtype {g.dtype}, expected {dtype}")
             on_device = is_device_array(g)
@@ -419,7 +423,9 @@ class PacTrainReducer:
         else:
             payload = flat
             if state.mask is not None and state.survivors < bucket.size:
-                xp.multiply(flat, state.mask, out=flat)
+                # copyto, not multiply: NaN * 0 is NaN, and a pruned coordinate must come back
+                # exactly 0 on the dense path just as on the packed one.
+                xp.copyto(flat, 0, where=~state.mask)
                 self.stats["dense_fallbacks"] += 1
             self.stats["dense_reductions"] += 1
         self.stats["dense_elements_equivalent"] += bucket.size
@@ -455,7 +461,7 @@ class PacTrainReducer:
             residual = self._residual(xp, b, self._layout.buckets[b].size, compute)
             values += residual[state.indices] if packed else residual
             if not packed and state.mask is not None:
-                values *= state.mask
+                xp.copyto(values, 0, where=~state.mask)
         local_max = float(xp.max(xp.abs(values)))
         finite = np.isfinite(local_max)
         agreed = np.array([local_max if finite else 0.0, 0.0 if finite else 1.0])

@@ -3,8 +3,8 @@ import pytest
 
 from mpi_util import run_mpi
 
-SCENARIOS = ["exact", "ternary", "mismatch", "resync", "layout", "bad_input", "mask_change",
-             "state"]
+SCENARIOS = ["exact", "ternary", "mismatch", "resync", "layout", "bad_input", "edges",
+             "mask_change", "state"]
 
 
 @pytest.mark.mpi

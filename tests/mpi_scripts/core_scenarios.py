@@ -28,7 +28,7 @@ def integer_grads(step, dtype, seed=0):
 def dense_reference(grads, masks, average):
     out = []
     for g, m in zip(grads, masks):
-        x = np.array(g, dtype=np.float64)
+        x = np.array(g, dtype=np.float64, order="C")
         if m is not None:
             x *= m
         comm.Allreduce(MPI.IN_PLACE, x)
@@ -201,6 +201,58 @@ def scenario_bad_input():
     expect_raise(RankInputError, lambda: PacTrainReducer(masks, quantize="binary"),
                  "quantize must be one of", "'binary'")
     ok("bad_input")
+
+
+def scenario_edges():
+    masks = shared_masks()
+    wrong_shape = list(masks)
+    if rank == 1:
+        wrong_shape[0] = np.ones((5, 17), bool)
+    expect_raise(RankInputError, lambda: PacTrainReducer(wrong_shape, shapes=SHAPES,
+                                                         dtypes=[np.float32] * len(SHAPES)),
+                 "rank 1: ValueError: mask 0 has shape (5, 17)")
+    expect_raise(RankInputError, lambda: PacTrainReducer(masks, on_mismatch="ignore"),
+                 "on_mismatch must be one of", "'ignore'")
+
+    # All-zero and all-ones masks: nothing / everything survives, no packing needed for ones.
+    extremes = [np.zeros((17, 5), bool), np.ones((33,), bool)]
+    red = PacTrainReducer(extremes, average=False, bucket_bytes=64, stable_steps=0)
+    for step in range(2):
+        grads = [np.full((17, 5), rank + 1.0, np.float32), np.full(33, rank + 1.0, np.float32)]
+        sent = red.stats["bytes_sent"]
+        red.reduce(grads)
+        assert not grads[0].any() and (grads[1] == world * (world + 1) / 2).all()
+        assert red.stats["bytes_sent"] - sent == 33 * 4, "zero mask sends nothing"
+    assert red.stats["packed_reductions"] == 2  # the all-zero bucket, packed to length 0
+
+    # NaN/Inf: packed and dense steps treat survivors and pruned coordinates alike.
+    for quantize in (None, "ternary"):
+        red = PacTrainReducer(masks, average=False, stable_steps=1, quantize=quantize)
+        survivor, pruned = np.flatnonzero(masks[0])[0], np.flatnonzero(~masks[0])[0]
+        results = []
+        for step in range(2):  # step 0 dense (new mask), step 1 packed
+            grads = integer_grads(step, np.float32)
+            grads[0].reshape(-1)[pruned] = np.nan
+            if rank == 0:
+                grads[0].reshape(-1)[survivor] = np.inf
+            red.reduce(grads)
+            results.append(grads[0].reshape(-1))
+        for r in results:
+            assert r[pruned] == 0 and np.isposinf(r[survivor]), (quantize, r)
+            assert np.isfinite(np.delete(r, survivor)).all()
+        if quantize:
+            assert red.stats["nonfinite_fallbacks"] >= 2
+            assert all(np.isfinite(v).all() for v in red.state_dict()["residuals"].values())
+
+    # Non-contiguous gradients are reduced correctly (and written back in place).
+    base = [np.stack([g, g]) for g in integer_grads(0, np.float32)]
+    grads = [b[0, ...] if b.ndim < 2 else np.swapaxes(b, 0, -1)[..., 0] for b in base]
+    assert not all(g.flags.c_contiguous for g in grads)
+    red = PacTrainReducer([None] * len(grads), average=False)
+    reference = dense_reference(grads, [None] * len(grads), False)
+    red.reduce(grads)
+    assert_exact(grads, reference, "non-contiguous")
+    ok("edges")
 
 
 def scenario_mask_change():

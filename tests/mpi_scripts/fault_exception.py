@@ -3,9 +3,10 @@
 Usage: fault_exception.py MECHANISM WHERE FAIL_RANK STEP
   MECHANISM: "hook" (faults.install_excepthook), "run_main" (faults.run_main) or "context"
              (faults.abort_on_exception as a decorator).
-  WHERE:     "user" (RuntimeError raised by the script) or "pacmpi" (a float32 gradient where
-             float64 is expected, on FAIL_RANK only, in a step without verification: the
-             TypeError is raised on that rank alone while the others wait in the reduction).
+  WHERE:     "user" (RuntimeError raised by the script), "exit" (sys.exit(3)) or "pacmpi" (a
+             float32 gradient where float64 is expected, on FAIL_RANK only, in a step without
+             verification: the TypeError is raised on that rank alone while the others wait
+             in the reduction).
 """
 import sys
 
@@ -26,6 +27,8 @@ def train(_argv=None):
         if step == STEP and rank == FAIL_RANK:
             if WHERE == "user":
                 raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+            if WHERE == "exit":
+                sys.exit(3)
             grads = [grads[0].astype(np.float32)]
         reducer.reduce(grads)
         expected = collectives.size * (collectives.size + 1) / 2 / collectives.size

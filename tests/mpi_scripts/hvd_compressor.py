@@ -99,6 +99,20 @@ def scenario_match():
         assert stats["dense_fallbacks"] == 2 and stats["packed_tensors"] == 6, stats
         assert stats["bytes_sent"] < stats["dense_bytes_equivalent"], stats
 
+    # Verifying every other step re-reads masks less often and changes nothing else.
+    run = train(lambda step: masks, 4, "pactrain", verify_every=2)
+    assert_same_run(run, train(lambda step: masks, 4, hvd.Compression.none))
+    assert run[2].stats["verifications"] == 2, run[2].stats
+
+    # Bad arguments fail on every rank together.
+    for bad in ({"average": True}, {"quantize": "fp8"}):
+        try:
+            PacTrainCompressor(integer_model(), masks, **bad)
+        except RankInputError as exc:
+            assert f"rank {hvd.rank()}: ValueError" in str(exc), exc
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
     # A bare hvd.allreduce with the compressor: the masked sum, one verification per call.
     model = integer_model()
     compressor = PacTrainCompressor(model, masks, stable_steps=0)
@@ -226,6 +240,11 @@ def scenario_reducer():
         for got, want in zip(grads, expected):
             assert np.array_equal(got, want), (got, want)
     assert reducer.stats["packed_reductions"] > 0, reducer.stats
+    half = PacTrainReducer(masks, collectives=HorovodCollectives(), average=False,
+                           quantize="fp16")
+    grads = [g.copy() for g in grads_of[hvd.rank()]]
+    half.reduce(grads)  # small integers survive float16 exactly
+    assert all(np.array_equal(got, want) for got, want in zip(grads, expected))
     ternary = PacTrainReducer(masks, collectives=HorovodCollectives(), quantize="ternary")
     grads = [g.copy() for g in grads_of[hvd.rank()]]
     ternary.reduce(grads)

@@ -1,0 +1,259 @@
+"""Faults end the job instead of hanging it: exceptions, a killed rank, a stalled rank.
+
+Multi-rank tests inject each fault under mpirun with a hard timeout and assert the exit
+status, the message and a bound on the time to failure. In-process tests cover the pieces
+(exit statuses, reports, the heartbeat side channel and the watchdog thread) with fake
+communicators, so they need no MPI.
+"""
+import io
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpi_util import MPI_SCRIPTS, mpirun_argv, run_mpi
+from pacmpi import faults
+from pacmpi.watchdog import StallWatchdog, heartbeat_directory
+
+HOST = socket.gethostname()
+FAILURE_BOUND_S = 30  # the issue's bound on time to failure
+
+
+def timed_mpi(script, n, *args, timeout=60):
+    start = time.monotonic()
+    result = run_mpi(script, n, *args, timeout=timeout)
+    return result, time.monotonic() - start
+
+
+# ---------------------------------------------------------------------- in-process pieces
+def test_importing_pacmpi_does_not_initialize_mpi():
+    code = ("import sys, pacmpi, pacmpi.faults, pacmpi.watchdog; "
+            "assert 'mpi4py.MPI' not in sys.modules, 'mpi4py.MPI imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("exc, status", [
+    (SystemExit(None), 0), (SystemExit(0), 0), (SystemExit(3), 3), (SystemExit("bad"), 1),
+    (KeyboardInterrupt(), 130), (RuntimeError("x"), 1)])
+def test_exit_status(exc, status):
+    assert faults.exit_status(exc) == status
+
+
+def test_run_main_single_rank_returns_statuses(capsys):
+    assert faults.run_main(lambda argv: None, []) == 0
+    assert faults.run_main(lambda argv: len(argv), ["a", "b"]) == 2
+    assert capsys.readouterr().err == ""
+
+    def fails(argv):
+        raise ValueError("bad input " + argv[0])
+
+    assert faults.run_main(fails, ["x"]) == 1
+    err = capsys.readouterr().err
+    assert "ValueError: bad input x" in err
+    # Every line of the report carries the rank prefix, so interleaved ranks stay readable.
+    assert all(line.startswith(f"[pacmpi rank 0/1 on {HOST}] ") for line in err.splitlines())
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert faults.run_main(interrupted, []) == 130
+    assert "interrupted (KeyboardInterrupt)" in capsys.readouterr().err
+
+    def exits(argv):
+        sys.exit("usage: nope")
+
+    assert faults.run_main(exits, []) == 1
+    assert capsys.readouterr().err == "usage: nope\n"
+
+
+def test_abort_on_exception_single_rank_propagates():
+    @faults.abort_on_exception()
+    def fails():
+        raise RuntimeError("single rank")
+
+    with pytest.raises(RuntimeError, match="single rank"):
+        fails()
+    with pytest.raises(SystemExit):
+        with faults.abort_on_exception():
+            sys.exit(0)
+
+
+class FakeComm:
+    """Rank and size only: enough for the watchdog when the job id comes from the env."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+
+@pytest.fixture
+def job(monkeypatch, tmp_path):
+    monkeypatch.setenv("PACMPI_JOB_ID", "test job/1")
+    return tmp_path
+
+
+def test_watchdog_rejects_bad_limits(job):
+    with pytest.raises(ValueError, match="warn_after"):
+        StallWatchdog(0, comm=FakeComm(0, 1), heartbeat_dir=job)
+    with pytest.raises(ValueError, match="abort_after"):
+        StallWatchdog(5, 1, comm=FakeComm(0, 1), heartbeat_dir=job)
+
+
+def test_heartbeats_name_the_ranks_that_have_not_arrived(job):
+    size = 3  # rank 2 never starts: it has no heartbeat file
+    r0 = StallWatchdog(60, comm=FakeComm(0, size), heartbeat_dir=job)
+    r1 = StallWatchdog(60, comm=FakeComm(1, size), heartbeat_dir=job)
+    try:
+        assert r0.directory == heartbeat_directory("test job/1", str(job))
+        assert r0.directory.endswith("pacmpi-heartbeat-test_job_1")
+        for _ in range(3):
+            with r0.collective("Allreduce"):
+                pass
+        r1.collective("Iallreduce")
+        beats = r0.heartbeats()
+        assert beats[2] is None
+        assert (beats[0].seq, beats[0].name, beats[0].waiting) == (3, "Allreduce", -1)
+        assert (beats[1].seq, beats[1].name, beats[1].host) == (1, "Iallreduce", HOST)
+
+        with r0.collective("Bcast"):
+            assert r0.heartbeats()[0].waiting == 4
+            should_print, line = r0.describe(4, "Bcast", 2.0)
+        assert should_print
+        assert f"not arrived: rank 1 on {HOST} (pid " in line
+        assert "last entered #1 Iallreduce" in line
+        assert "no heartbeat from rank(s) 2" in line
+        assert "rank 0 on" not in line
+
+        # Negative control: once every rank with a file has entered, nobody is named.
+        for _ in range(3):
+            r1.collective("Allreduce")
+        _, line = r0.describe(4, "Bcast", 2.0)
+        assert "not arrived" not in line
+    finally:
+        r0.close()
+        r1.close()
+    assert not (job / "pacmpi-heartbeat-test_job_1").exists()
+
+
+def test_watchdog_thread_warns_once_then_reports_completion(job):
+    out = [io.StringIO(), io.StringIO()]
+    dogs = [StallWatchdog(0.2, comm=FakeComm(r, 2), heartbeat_dir=job, poll_interval=0.02,
+                          stream=out[r]) for r in range(2)]
+    try:
+        with dogs[0].collective("Allreduce"):
+            time.sleep(0.7)  # rank 1 never arrives
+        with dogs[0].collective("Allreduce"):
+            pass
+        dogs[1].collective("Allreduce")
+        dogs[1].collective("Allreduce")
+        with dogs[0].collective("Allreduce"):
+            time.sleep(0.1)  # below warn_after: no report
+    finally:
+        for dog in dogs:
+            dog.close()
+    lines = out[0].getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"[pacmpi watchdog rank 0/2 on {HOST}] collective #1 (Allreduce)")
+    assert f"not arrived: rank 1 on {HOST}" in lines[0]
+    assert re.search(r"collective #1 \(Allreduce\) completed after about 0\.\d s", lines[1])
+    assert out[1].getvalue() == ""
+
+
+# ---------------------------------------------------------------------- under mpirun
+EXCEPTION_CASES = [
+    # mechanism, where, ranks, expected message, expected exit status
+    ("hook", "user", 2, "RuntimeError: injected failure on rank 1", 1),
+    ("run_main", "user", 4, "RuntimeError: injected failure on rank 1", 1),
+    ("context", "user", 2, "RuntimeError: injected failure on rank 1", 1),
+    ("run_main", "exit", 2, "exited with status 3", 3),
+    ("run_main", "pacmpi", 2, "TypeError: gradient 0 has dtype float32, expected float64", 1),
+    ("hook", "pacmpi", 4, "TypeError: gradient 0 has dtype float32, expected float64", 1),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mechanism, where, n, message, status", EXCEPTION_CASES)
+def test_failure_on_one_rank_ends_the_job(mechanism, where, n, message, status):
+    result, elapsed = timed_mpi("fault_exception.py", n, mechanism, where, 1, 20)
+    assert result.returncode == status, result.stderr
+    assert elapsed < FAILURE_BOUND_S
+    assert f"[pacmpi rank 1/{n} on {HOST}] {message}" in result.stderr
+    assert "MPI_ABORT was invoked on rank 1" in result.stderr
+    assert "loop ended" not in result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_sigkilled_rank_ends_the_job_and_is_named(n):
+    victim = n - 1
+    result, elapsed = timed_mpi("fault_sigkill.py", n, victim, 30)
+    assert result.returncode != 0
+    assert elapsed < FAILURE_BOUND_S
+    flat = " ".join(result.stderr.split())
+    assert re.search(rf"process rank {victim} with PID \d+ on node \S+ exited on signal 9", flat), \
+        result.stderr
+    assert "loop ended" not in result.stdout
+
+
+@pytest.mark.mpi
+def test_sigkilled_rank_is_named_by_the_project_launcher():
+    runner = pytest.importorskip("pacmpi.launch.runner")
+    start = time.monotonic()
+    argv = [sys.executable, str(MPI_SCRIPTS / "fault_sigkill.py"), "1", "30"]
+    result = runner.run_command(argv, 2, mpirun=mpirun_argv(2)[0], oversubscribe=True,
+                                capture=True, echo=False, timeout=60)
+    assert time.monotonic() - start < FAILURE_BOUND_S
+    assert result.returncode != 0 and not result.timed_out
+    assert result.failure.rank == 1 and result.failure.signal == 9
+    assert "rank 1" in result.failure_message and "SIGKILL" in result.failure_message
+
+
+def watchdog_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("[pacmpi watchdog")]
+
+
+@pytest.mark.mpi
+def test_watchdog_names_the_stalled_rank_then_aborts():
+    # Rank 2 of 4 sleeps 60 s before step 3; warn after 1 s, abort after 3 s.
+    result, elapsed = timed_mpi("fault_stall.py", 4, 2, 3, 60, 1, 3, 20)
+    assert result.returncode != 0
+    assert 3 <= elapsed < FAILURE_BOUND_S
+    lines = watchdog_lines(result.stderr)
+    warnings = [line for line in lines if "aborting" not in line]
+    aborts = [line for line in lines if "aborting the job after abort_after=3" in line]
+    assert warnings and aborts, result.stderr
+    # The lowest waiting rank reports; the stalled rank never does.
+    assert all(line.startswith(f"[pacmpi watchdog rank 0/4 on {HOST}]") for line in warnings)
+    for line in warnings + aborts:
+        assert f"not arrived: rank 2 on {HOST} (pid " in line
+        assert not re.search(r"rank [013] on .* \(pid", line.split("not arrived:")[1])
+    assert "watchdog rank 2/4" not in result.stderr
+    assert "STALL-DONE" not in result.stdout
+
+
+@pytest.mark.mpi
+def test_watchdog_reports_a_transient_stall_and_lets_the_job_finish():
+    result, _ = timed_mpi("fault_stall.py", 2, 1, 3, 2.5, 1, "none", 10)
+    assert result.returncode == 0, result.stderr
+    lines = watchdog_lines(result.stderr)
+    assert len(lines) == 2, result.stderr
+    assert f"not arrived: rank 1 on {HOST}" in lines[0]
+    assert "completed after about" in lines[1]
+    assert result.stdout.count("STALL-DONE") == 2
+
+
+@pytest.mark.mpi
+def test_watchdog_is_silent_when_every_rank_arrives_in_time():
+    # Negative control: a 0.2 s delay stays below warn_after = 2 s.
+    result, _ = timed_mpi("fault_stall.py", 2, 1, 3, 0.2, 2, 5, 100)
+    assert result.returncode == 0, result.stderr
+    assert watchdog_lines(result.stderr) == []
+    assert result.stdout.count("STALL-DONE") == 2

@@ -1,0 +1,76 @@
+"""PacTrainReducer on a communicator of size 1 (COMM_SELF): the defined single-rank behaviour,
+pickling without the communicator, and NumPy/CuPy agreement."""
+import pickle
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from pacmpi import MPICollectives, PacTrainReducer, RankInputError
+
+from xp_util import ARRAY_MODULES, asnumpy
+
+
+def local(masks, **kwargs):
+    return PacTrainReducer(masks, comm=MPI.COMM_SELF, **kwargs)
+
+
+def grads_for(xp, step):
+    rng = np.random.default_rng(step)
+    return [xp.asarray(rng.integers(-8, 9, size=s).astype(np.float32)) for s in [(6, 7), (5,)]]
+
+
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@pytest.mark.parametrize("quantize", [None, "fp16"])
+def test_single_rank_reduce_is_the_masked_identity(xp, quantize):
+    mask = np.random.default_rng(3).random((6, 7)) < 0.3
+    reducer = local([xp.asarray(mask), None], quantize=quantize, stable_steps=0)
+    for step in range(3):
+        grads = grads_for(xp, step)
+        expected = [asnumpy(grads[0]) * mask, asnumpy(grads[1])]
+        reducer.reduce(grads)
+        for g, e in zip(grads, expected):
+            np.testing.assert_array_equal(asnumpy(g), e)
+    assert reducer.stats["packed_reductions"] == 3
+
+
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+def test_numpy_and_array_module_reducers_agree(xp):
+    mask = np.random.default_rng(4).random((6, 7)) < 0.5
+    results = []
+    for module in (np, xp):
+        reducer = local([module.asarray(mask), None], quantize="ternary", seed=11)
+        out = []
+        for step in range(3):
+            grads = [module.asarray(np.random.default_rng(step).standard_normal(s)
+                                    .astype(np.float32)) for s in [(6, 7), (5,)]]
+            reducer.reduce(grads)
+            out.append([asnumpy(g) for g in grads])
+        results.append(out)
+    for a, b in zip(*results):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_reducer_pickles_without_its_communicator():
+    mask = np.ones((6, 7), bool)
+    mask[0] = False
+    reducer = local([mask, None], quantize="ternary")
+    reducer.reduce(grads_for(np, 0))
+    clone = pickle.loads(pickle.dumps(reducer))
+    assert clone.__dict__["_collectives"] is None and clone.step == 1
+    assert clone.state_dict()["tracker"] == reducer.state_dict()["tracker"]
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(MPICollectives(comm=MPI.COMM_SELF))
+
+
+def test_bad_arguments_name_the_bad_value():
+    with pytest.raises(RankInputError, match="verify_every must be a positive integer, got 0"):
+        local([None], verify_every=0)
+    with pytest.raises(RankInputError, match="stable_steps must be a non-negative integer"):
+        local([None], stable_steps=-1)
+    with pytest.raises(ValueError, match="cuda_aware must be 'auto', True or False"):
+        MPICollectives(comm=MPI.COMM_SELF, cuda_aware="yes")
+    reducer = local([None])
+    with pytest.raises(RankInputError, match="gradient 0: expected a numpy.ndarray"):
+        reducer.reduce([np.float32(1.0)])
