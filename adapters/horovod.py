@@ -23,6 +23,11 @@ a bare ``hvd.allreduce(grad, compression=compressor)`` is a step of its own. Thi
 wiring: an optimizer step-pre hook would fire after backward, when the hooks have already
 launched the step's all-reduces, and a ``begin_step()`` call can be forgotten.
 
+A step that never completes (backward raised after some hooks had compressed their
+gradients) is ended by :meth:`PacTrainCompressor.reset_step`, or else when the next step
+compresses one of those gradients again, which cannot happen within a step; either way the
+retried step keeps its step number and no error-feedback state of the abandoned one.
+
 The verification all-reduce runs inside that first ``compress``, i.e. before this rank submits
 any all-reduce of the step. It blocks the main thread, but it cannot deadlock: every rank
 reaches its first ``compress`` without waiting on anyone (the previous step was fully
@@ -39,13 +44,23 @@ otherwise. The scale of each tensor is agreed by a blocking 16-byte MAX all-redu
 ``compress``, named after the parameter, so ranks must compute gradients in the same order (as
 autograd does for identical models); a differing order stalls (Horovod's stall warning) rather
 than silently pairing different tensors' scales.
+
+Checkpoints
+-----------
+:meth:`PacTrainCompressor.state_dict` holds the step, the mask tracker, the error-feedback
+residuals (host arrays) and the counters; a new compressor resumes from it bit for bit (same
+world size), after the masks and the model have been restored. Loading is collective and checks
+the checkpoint against the compressor on every rank, so a wrong checkpoint fails everywhere.
 """
 import itertools
+import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from pacmpi import Collectives, MaskTracker, TernaryCodec, stochastic_ternary
+from pacmpi.adapters.pruning import named_prunable_parameters
 from pacmpi.errors import LayoutMismatchError, MaskMismatchError
 from pacmpi.hashing import digest_ints, splitmix64_int
 from pacmpi.verify import agree, gather_details, offending_ranks, raise_together
@@ -129,13 +144,39 @@ class HorovodCollectives(Collectives):
 
 
 class _Context:
-    """What decompress needs: the parameter, how its payload was encoded, the ternary scale."""
+    """What decompress needs, self-contained so that a late result of an abandoned step still
+    decodes: the parameter, its encoding, survivor indices, ternary scale, the step generation
+    and the error-feedback residual to commit once the result is back."""
 
-    __slots__ = ("index", "kind", "packed", "scale", "count")
+    __slots__ = ("index", "kind", "indices", "generation", "scale", "count", "residual")
 
-    def __init__(self, index, kind, packed, scale=None, count=None):
-        self.index, self.kind, self.packed, self.scale, self.count = (
-            index, kind, packed, scale, count)
+    def __init__(self, index, kind, indices, generation, scale=None, count=None, residual=None):
+        self.index, self.kind, self.indices, self.generation = index, kind, indices, generation
+        self.scale, self.count, self.residual = scale, count, residual
+
+    @property
+    def packed(self):
+        return self.indices is not None
+
+
+def _every_parameter(name, param):
+    return True
+
+
+def _observe(flat_mask):
+    """(fingerprint, survivors) of a flat torch mask, ``(None, None)`` for none."""
+    return (None, None) if flat_mask is None else MaskTracker.observe(*_as_xp(flat_mask))
+
+
+def _survivors(flat_mask):
+    xp, mask = _as_xp(flat_mask)
+    return xp.flatnonzero(mask)
+
+
+def _new_stats():
+    return dict.fromkeys(
+        ("steps", "verifications", "packed_tensors", "dense_tensors", "dense_fallbacks",
+         "nonfinite_fallbacks", "abandoned_steps", "bytes_sent", "dense_bytes_equivalent"), 0)
 
 
 class PacTrainCompressor:
@@ -153,10 +194,15 @@ class PacTrainCompressor:
         be reduced.
     masks:
         Mapping from parameter name to a bool (or 0/1) keep-mask of the parameter's shape
-        (torch tensor, NumPy or CuPy array). Unlisted parameters are not pruned. Masks are
-        re-read at every verification, so they may be changed in place (gradual pruning);
-        :meth:`set_masks` replaces the mapping. A changed mask is reduced dense (masked)
-        until it has been unchanged for ``stable_steps`` steps, then packed.
+        (torch tensor, NumPy or CuPy array). Unlisted parameters are not pruned. A name is a
+        key of the bound ``(name, parameter)`` pairs or, when a module is given, a logical
+        name of :func:`pacmpi.adapters.pruning.named_prunable_parameters`: ``"fc.weight"``
+        of a module reparametrized by ``torch.nn.utils.prune`` names ``fc.weight_orig``, the
+        leaf that receives ``.grad`` (as :func:`~pacmpi.adapters.pruning.masks_from_torch_prune`
+        keys them). Unknown names, or two names of one parameter, raise on every rank.
+        Masks are re-read at every verification, so they may be changed in place (gradual
+        pruning); :meth:`set_masks` replaces the mapping. A changed mask is reduced dense
+        (masked) until it has been unchanged for ``stable_steps`` steps, then packed.
     quantize:
         ``None`` (lossless) or ``"ternary"`` (unbiased stochastic ternary codes in summable
         int64 words; requires ``op=hvd.Sum``).
@@ -170,18 +216,27 @@ class PacTrainCompressor:
 
     Every masked result is masked: pruned coordinates come back as zeros (PacTrain's
     ``G = mask * G``), so the reduced gradients equal Horovod's dense reduction of masked
-    gradients. ``stats`` counts steps, verifications, packed/dense tensors and bytes.
+    gradients. ``stats`` counts steps, verifications, packed/dense tensors, abandoned steps
+    and bytes.
+
+    Checkpoints: :meth:`state_dict` / :meth:`load_state_dict`. Pickling drops the Horovod
+    transport (rebuilt on first use, after ``hvd.init()``) but keeps the bound parameters by
+    identity, so an unpickled compressor reduces the gradients of the parameters pickled with
+    it: pickle it together with its model (one ``pickle.dumps((model, compressor))``), or
+    use :meth:`state_dict` with a new compressor.
     """
 
     def __init__(self, model_or_named_parameters, masks, *, quantize=None, average=False,
                  stable_steps=1, verify_every=1, error_feedback=True, seed=0):
-        self.collectives = HorovodCollectives()
+        self._collectives = HorovodCollectives()
         error = None
         try:
-            named = (model_or_named_parameters.named_parameters()
-                     if isinstance(model_or_named_parameters, torch.nn.Module)
-                     else model_or_named_parameters)
-            named = list(named)
+            if isinstance(model_or_named_parameters, torch.nn.Module):
+                named = list(model_or_named_parameters.named_parameters())
+                logical = named_prunable_parameters(model_or_named_parameters,
+                                                    include=_every_parameter)
+            else:
+                named, logical = list(model_or_named_parameters), {}
             self._names = [name for name, _ in named]
             self._params = [param for _, param in named]
             if len(set(self._names)) != len(self._names):
@@ -198,24 +253,37 @@ class PacTrainCompressor:
             self.verify_every, self.error_feedback = verify_every, bool(error_feedback)
             self.seed = int(seed)
             self._codec = TernaryCodec(self.collectives.size) if quantize == "ternary" else None
-            self._masks = self._checked_names(masks)
+            self._key_index = self._mask_keys(logical)
+            self._masks = self._resolve(masks)
         except (TypeError, ValueError) as exc:
             error = exc
         raise_together(self.collectives, error)
         self._step = 0
-        self._outstanding = 0
+        # Indices compressed and not yet decompressed in the current step, and the step's
+        # generation: reset_step() moves on to a new one, and results of older ones are stale.
+        self._pending, self._generation = set(), 0
         self._by_id, self._cached_ids = {}, [None] * len(self._params)
         self._torch_masks = [None] * len(self._params)
         self._indices = [None] * len(self._params)
         self._residuals = {}
-        self.stats = dict.fromkeys(
-            ("steps", "verifications", "packed_tensors", "dense_tensors", "dense_fallbacks",
-             "nonfinite_fallbacks", "bytes_sent", "dense_bytes_equivalent"), 0)
+        self.stats = _new_stats()
 
     # ------------------------------------------------------------------ configuration
     @property
+    def collectives(self):
+        if self._collectives is None:  # unpickled: Horovod state belongs to the process
+            self._collectives = HorovodCollectives()
+        return self._collectives
+
+    @property
     def step(self):
+        """Completed steps (an abandoned step does not count)."""
         return self._step
+
+    @property
+    def outstanding(self):
+        """Gradients of the current step compressed and not yet decompressed."""
+        return len(self._pending)
 
     @property
     def tracker(self):
@@ -225,17 +293,43 @@ class PacTrainCompressor:
         """Replace the mask mapping; takes effect at the next verification. Collective."""
         error = None
         try:
-            checked = self._checked_names(masks)
+            resolved = self._resolve(masks)
         except (TypeError, ValueError) as exc:
             error = exc
         raise_together(self.collectives, error)
-        self._masks = checked
+        self._masks = resolved
 
-    def _checked_names(self, masks):
-        unknown = sorted(set(masks) - set(self._names))
+    def _mask_keys(self, logical):
+        """Mask key -> parameter index: the bound names, then the logical names of ``logical``
+        (name -> leaf parameter) that lead to a bound parameter under another name."""
+        index_of = {id(param): index for index, param in enumerate(self._params)}
+        keys = {name: index for index, name in enumerate(self._names)}
+        for name, param in logical.items():
+            if id(param) in index_of:
+                keys.setdefault(name, index_of[id(param)])
+        return keys
+
+    def _resolve(self, masks):
+        """``masks`` keyed by parameter index; the mask objects themselves, so in-place
+        updates stay visible."""
+        if not isinstance(masks, Mapping):
+            raise TypeError(f"masks must be a mapping from parameter name to mask, got "
+                            f"{type(masks).__name__}")
+        unknown = [key for key in masks if key not in self._key_index]
         if unknown:
-            raise ValueError(f"masks name parameters that are not bound: {unknown}")
-        return masks
+            aliases = sorted(k for k in self._key_index if k not in self._names)
+            raise ValueError(
+                f"masks name parameters that are not bound: {unknown}; keys are the bound "
+                f"parameter names or, when the compressor is given the nn.Module, "
+                f"torch.nn.utils.prune's logical names (known here: {aliases})")
+        resolved, keys = {}, {}
+        for key, mask in masks.items():
+            index = self._key_index[key]
+            if index in resolved:
+                raise ValueError(f"masks {keys[index]!r} and {key!r} both name parameter "
+                                 f"{self._names[index]!r}")
+            resolved[index], keys[index] = mask, key
+        return resolved
 
     # ------------------------------------------------------------------ Horovod interface
     def compress(self, tensor):
@@ -245,25 +339,148 @@ class PacTrainCompressor:
             index = self._index_of(tensor)
         except LookupError as exc:
             error = exc
-        if self._outstanding == 0:
+        if index in self._pending:
+            # Each gradient is compressed once per step: this one again means that the step
+            # in progress was abandoned (backward raised after some hooks had fired).
+            warnings.warn(f"PacTrainCompressor: {self._names[index]!r} compressed again with "
+                          f"{len(self._pending)} gradient(s) of step {self._step} outstanding; "
+                          "treating that step as abandoned (call reset_step() after abandoning "
+                          "a step to avoid this warning)", RuntimeWarning, stacklevel=2)
+            self.reset_step()
+        if not self._pending:
             self._begin_step(error)
         elif error is not None:
             raise error
         payload, ctx = self._encode(index, tensor)
-        self._outstanding += 1
+        self._pending.add(index)
         return payload, ctx
 
     def decompress(self, tensor, ctx):
         """The reduced gradient in the parameter's shape and dtype (``ctx=None``: as is)."""
         if ctx is None:  # Horovod's sparse path, or a tensor this compressor never encoded
             return tensor
+        current = ctx.generation == self._generation
         try:
-            return self._decode(tensor, ctx)
+            result = self._decode(tensor, ctx)
+            if current and ctx.residual is not None:
+                self._commit_residual(ctx)
+            return result
         finally:
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._step += 1
-                self.stats["steps"] += 1
+            if current:
+                self._pending.discard(ctx.index)
+                if not self._pending:
+                    self._step += 1
+                    self.stats["steps"] += 1
+
+    def reset_step(self):
+        """Abandon the step in progress, e.g. after backward raised midway.
+
+        The next ``compress`` starts the step afresh (verifying first, when due) under the
+        same step number; results of the abandoned step that still arrive decode but change
+        nothing, and its ternary rounding errors are not kept. Local and a no-op between
+        steps; call it on every rank that abandons the step. A rank that does not is reset at
+        its next ``compress`` of a gradient the abandoned step had already compressed (with a
+        warning), which in a fixed backward order is the first one.
+
+        Horovod's own in-flight all-reduces are the caller's: wait for them and drop them
+        (``hvd.DistributedOptimizer.load_state_dict`` clears its handles), or instead finish
+        the step with ``optimizer.synchronize()``, which needs no reset.
+        """
+        if self._pending:
+            self.stats["abandoned_steps"] += 1
+        self._pending = set()
+        self._generation += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """Step, mask tracker, error-feedback residuals (host arrays, by parameter name),
+        counters, and what :meth:`load_state_dict` checks. Only between steps."""
+        self._check_between_steps("state_dict")
+        return {
+            "step": self._step,
+            "seed": self.seed,
+            "quantize": self.quantize,
+            "world_size": self.collectives.size,
+            "params": self._describe(),
+            "tracker": self._tracker.state_dict(),
+            "residuals": {self._names[i]: r.detach().cpu().numpy().copy()
+                          for i, r in self._residuals.items()},
+            "stats": dict(self.stats),
+        }
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output. Collective: fails on every rank together,
+        leaving the compressor as it was, unless the quantize mode and the bound parameters
+        (names, shapes, dtypes) match the checkpoint's and every mask has the fingerprint of
+        the checkpoint's last verification (restore the masks first). Residuals are per-rank
+        quantization errors: at another world size they are dropped, with a warning. Any step
+        in progress is abandoned."""
+        error = restored = None
+        try:
+            restored = self._restored(state)
+        except (TypeError, ValueError, KeyError) as exc:
+            error = exc
+        raise_together(self.collectives, error)
+        tracker, flats, residuals = restored
+        if state["world_size"] != self.collectives.size and residuals:
+            warnings.warn(f"PacTrainCompressor: resuming at world size {self.collectives.size} "
+                          f"from a checkpoint taken at {state['world_size']}: error-feedback "
+                          "residuals are per-rank and restart from zero", RuntimeWarning,
+                          stacklevel=2)
+            residuals = {}
+        self.reset_step()
+        self._tracker, self._residuals, self._step = tracker, residuals, state["step"]
+        self._use_tracker(flats)
+        self.stats = dict(_new_stats(), **state["stats"])
+
+    def _restored(self, state):
+        """(tracker, flat masks, residuals) of a checkpoint, checked against this compressor."""
+        if state["quantize"] != self.quantize:
+            raise ValueError(f"checkpoint has quantize={state['quantize']!r}, "
+                             f"compressor has {self.quantize!r}")
+        saved_params = [(n, tuple(s), d) for n, s, d in state["params"]]
+        if saved_params != self._describe():
+            differing = [(saved, here) for saved, here in
+                         itertools.zip_longest(saved_params, self._describe()) if saved != here]
+            raise ValueError(f"checkpoint parameters (name, shape, dtype) differ from the bound "
+                             f"ones; first (checkpoint, here): {differing[:3]}")
+        saved = state["tracker"]
+        flats = [self._flat_mask(i) for i in range(len(self._params))]
+        if saved["last_commit_step"] is not None:
+            changed = [name for name, flat, bucket in zip(self._names, flats, saved["buckets"])
+                       if _observe(flat)[0] != bucket["fingerprint"]]
+            if changed:
+                raise ValueError(f"masks of {changed} differ from those verified at step "
+                                 f"{saved['last_commit_step']} of the checkpoint; restore the "
+                                 "checkpoint's masks before loading it")
+        tracker = MaskTracker(len(self._params), stable_steps=self._tracker.stable_steps)
+        tracker.version, tracker.last_commit_step = saved["version"], saved["last_commit_step"]
+        for bucket, flat, entry in zip(tracker.buckets, flats, saved["buckets"]):
+            bucket.fingerprint, bucket.survivors = entry["fingerprint"], entry["survivors"]
+            bucket.stable_steps = entry["stable_steps"]
+            bucket.mask = None if flat is None else _as_xp(flat)[1]
+            bucket.indices = _survivors(flat) if entry["packed"] else None
+        index_of = {name: index for index, name in enumerate(self._names)}
+        residuals = {index_of[name]: torch.tensor(array, device=self._params[index_of[name]].device)
+                     for name, array in state["residuals"].items()}
+        return tracker, flats, residuals
+
+    def _describe(self):
+        return [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
+
+    def _check_between_steps(self, what):
+        if self._pending:
+            raise RuntimeError(f"PacTrainCompressor.{what}() with {len(self._pending)} "
+                               f"gradient(s) of step {self._step} outstanding; call it between "
+                               "optimizer steps (or reset_step() first)")
+
+    def __getstate__(self):
+        self._check_between_steps("__getstate__")
+        state = self.__dict__.copy()
+        # Horovod's transport and tensor ids are only valid in this process.
+        state["_collectives"] = None
+        state["_by_id"], state["_cached_ids"] = {}, [None] * len(self._params)
+        return state
 
     # ------------------------------------------------------------------ steps and masks
     def _index_of(self, tensor):
@@ -294,7 +511,7 @@ class PacTrainCompressor:
             raise local_error
 
     def _flat_mask(self, index):
-        mask = self._masks.get(self._names[index])
+        mask = self._masks.get(index)
         if mask is None:
             return None
         param = self._params[index]
@@ -318,8 +535,7 @@ class PacTrainCompressor:
                 local_error = exc
         fields["input_error"] = 0 if local_error is None else 1
         if local_error is None:
-            observations = [(None, None) if f is None else MaskTracker.observe(*_as_xp(f))
-                            for f in flats]
+            observations = [_observe(f) for f in flats]
             fields.update(self._fields(observations))
         mismatched, _ = agree(self.collectives, fields)
         self.stats["verifications"] += 1
@@ -332,15 +548,18 @@ class PacTrainCompressor:
             self._raise_mismatch(MaskMismatchError, mismatched, observations)
         self._tracker.commit(self._step, observations,
                              [None if f is None else _as_xp(f)[1] for f in flats])
+        for index, flat in enumerate(flats):
+            if self._tracker.ready_to_pack(index):
+                self._tracker.buckets[index].indices = _survivors(flat)
+        self._use_tracker(flats)
+
+    def _use_tracker(self, flats):
+        """Encode with the tracker's state: each parameter's flat mask, survivors if packed."""
         for index, (state, flat) in enumerate(zip(self._tracker.buckets, flats)):
             self._torch_masks[index] = flat
-            if self._tracker.ready_to_pack(index):
-                xp, mask = _as_xp(flat)
-                state.indices = xp.flatnonzero(mask)
             self._indices[index] = None if state.indices is None else _as_torch(state.indices)
 
     def _fields(self, observations):
-        layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
         fields = {
             "magic": _MAGIC, "step": self._step, "params": len(self._params),
             "elements": sum(p.numel() for p in self._params),
@@ -349,7 +568,8 @@ class PacTrainCompressor:
                              for p, (_, s) in zip(self._params, observations)),
             "version": self._tracker.version,
         }
-        fields.update(zip(("layout0", "layout1", "layout2", "layout3"), digest_ints(layout)))
+        fields.update(zip(("layout0", "layout1", "layout2", "layout3"),
+                          digest_ints(self._describe())))
         fields.update(zip(("mask0", "mask1", "mask2", "mask3"),
                           digest_ints([o for pair in observations for o in pair])))
         return fields
@@ -357,8 +577,7 @@ class PacTrainCompressor:
     def _raise_mismatch(self, error_type, fields, observations):
         descriptor = {
             "step": self._step, "quantize": self.quantize, "version": self._tracker.version,
-            "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names,
-                                                                          self._params)],
+            "params": self._describe(),
             "masks": {n: (f"{fp:032x}", s) for n, (fp, s) in zip(self._names, observations)
                       if fp is not None},
         }
@@ -380,11 +599,11 @@ class PacTrainCompressor:
     # ------------------------------------------------------------------ encoding
     def _encode(self, index, tensor):
         state = self._tracker.buckets[index]
-        packed = state.packed
+        indices = self._indices[index] if state.packed else None
         flat = tensor.reshape(-1)
         self.stats["dense_bytes_equivalent"] += tensor.numel() * tensor.element_size()
-        if packed:
-            payload = flat.index_select(0, self._indices[index])
+        if indices is not None:
+            payload = flat.index_select(0, indices)
             self.stats["packed_tensors"] += 1
         else:
             payload = flat
@@ -394,11 +613,11 @@ class PacTrainCompressor:
                 self.stats["dense_fallbacks"] += 1
             self.stats["dense_tensors"] += 1
         if self.quantize == "ternary":
-            return self._encode_ternary(index, payload, packed)
+            return self._encode_ternary(index, payload, indices)
         self.stats["bytes_sent"] += payload.numel() * payload.element_size()
         if payload is flat:  # unmasked: reduce the gradient itself, as Compression.none does
-            return tensor, _Context(index, "as_is", packed)
-        return payload, _Context(index, "float", packed)
+            return tensor, _Context(index, "as_is", indices, self._generation)
+        return payload, _Context(index, "float", indices, self._generation)
 
     def _residual(self, index, compute):
         param = self._params[index]
@@ -408,14 +627,14 @@ class PacTrainCompressor:
             self._residuals[index] = residual
         return residual
 
-    def _encode_ternary(self, index, payload, packed):
+    def _encode_ternary(self, index, payload, indices):
         compute = torch.float64 if payload.dtype == torch.float64 else torch.float32
         values = payload.to(compute, copy=True)
         mask = self._torch_masks[index]
         if self.error_feedback:
             residual = self._residual(index, compute)
-            values += residual[self._indices[index]] if packed else residual
-            if not packed and mask is not None:
+            values += residual if indices is None else residual[indices]
+            if indices is None and mask is not None:
                 values.masked_fill_(~mask, 0)
         local_max = float(values.abs().max()) if values.numel() else 0.0
         finite = bool(np.isfinite(local_max))
@@ -427,22 +646,29 @@ class PacTrainCompressor:
             self.stats["nonfinite_fallbacks"] += 1
             wire = torch.cat([payload.reshape(-1), payload.new_ones(1)])
             self.stats["bytes_sent"] += wire.numel() * wire.element_size()
-            return wire, _Context(index, "float_sentinel", packed, count=payload.numel())
+            return wire, _Context(index, "float_sentinel", indices, self._generation,
+                                  count=payload.numel())
         scale = float(agreed[0])
         xp, values_xp = _as_xp(values)
         key = splitmix64_int(self.seed ^ splitmix64_int(
             (self._step << 32) ^ (index << 16) ^ self.collectives.rank))
         codes = stochastic_ternary(xp, values_xp, scale, key)
-        if self.error_feedback:
-            new_residual = values - _as_torch(codes).to(compute) * scale
-            if packed:
-                residual[self._indices[index]] = new_residual
-            else:
-                residual.copy_(new_residual)
+        # Kept by decompress, once the codes have been summed: an abandoned step leaves the
+        # residual as it was.
+        new_residual = (values - _as_torch(codes).to(compute) * scale
+                        if self.error_feedback else None)
         words = _as_torch(self._codec.encode(xp, codes))
         wire = torch.cat([words, words.new_ones(1)])
         self.stats["bytes_sent"] += wire.numel() * wire.element_size()
-        return wire, _Context(index, "ternary", packed, scale=scale, count=payload.numel())
+        return wire, _Context(index, "ternary", indices, self._generation, scale=scale,
+                              count=payload.numel(), residual=new_residual)
+
+    def _commit_residual(self, ctx):
+        residual = self._residuals[ctx.index]
+        if ctx.packed:
+            residual[ctx.indices] = ctx.residual
+        else:
+            residual.copy_(ctx.residual)
 
     def _decode(self, tensor, ctx):
         param = self._params[ctx.index]
@@ -468,6 +694,6 @@ class PacTrainCompressor:
         tensor = tensor.to(param.dtype)
         if ctx.packed:
             out = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
-            out[self._indices[ctx.index]] = tensor
+            out[ctx.indices] = tensor
             tensor = out
         return tensor.reshape(param.shape).contiguous()

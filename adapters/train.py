@@ -133,13 +133,16 @@ def _optimizer(cfg, params, lr):
 
 
 @torch.no_grad()
-def _evaluate(model, data, rank, size, comm):
-    """Test accuracy over the whole test set, each rank scoring every ``size``-th sample."""
+def _evaluate(model, data, rank=0, size=1, comm=None):
+    """Test accuracy over the whole test set, each rank of ``comm`` scoring every ``size``-th
+    sample (``comm=None``: this process scores all of it)."""
     model.eval()
     x, y = data.x_test[rank::size], data.y_test[rank::size]
     correct = sum(int((model(xb).argmax(1) == yb).sum())
                   for xb, yb in iterate_minibatches(x, y, 512, seed=0, epoch=0, shuffle=False))
     model.train()
+    if comm is None:
+        return correct / len(y)
     return comm.allreduce(correct) / comm.allreduce(len(y))
 
 
@@ -179,7 +182,7 @@ def _pretrained_state(cfg, data, kwargs, comm):
                                  f"needs {key}; delete it or pass another path")
             if cached is None:
                 model = _pretrain(cfg, data, kwargs)
-                accuracy = _evaluate(model, data, 0, 1, comm)
+                accuracy = _evaluate(model, data)
                 cached = {"key": key, "state": model.state_dict(), "accuracy": accuracy}
                 if cfg.pretrained:
                     atomic_save(cached, cfg.pretrained)
@@ -202,18 +205,68 @@ def _state_digest(model):
     return digest.hexdigest()
 
 
-def _horovod_sync(cfg, model, optimizer, masks):
-    """Wrap ``optimizer`` in ``hvd.DistributedOptimizer`` with PacTrain compression."""
-    try:
-        import horovod.torch as hvd
+class _HorovodSync:
+    """``--backend horovod``: ``hvd.DistributedOptimizer`` with
+    :class:`pacmpi.adapters.horovod.PacTrainCompressor` (pactrain, pactrain-ternary) or Horovod's
+    own compression (dense, fp16), behind the few members :func:`run` uses of a sync.
 
-        from pacmpi.adapters.horovod import PacTrainCompressor
-    except ImportError as exc:
-        raise RuntimeError(f"--backend horovod needs horovod.torch and "
-                           f"pacmpi.adapters.horovod.PacTrainCompressor: {exc}") from exc
-    compressor = PacTrainCompressor(model, masks=masks, method=cfg.method)
-    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                    compression=compressor), compressor
+    Horovod packs and reduces inside ``optimizer.step()``, so the step split is coarser than
+    with MPI: ``comm_seconds`` is the whole synchronization (pack + all-reduce + unpack).
+    Checkpoints and TopK are MPI-backend only.
+    """
+
+    def __init__(self, cfg, model, optimizer, masks, enforcer):
+        try:
+            import horovod.torch as hvd
+
+            from pacmpi.adapters.horovod import PacTrainCompressor
+        except ImportError as exc:
+            raise RuntimeError(f"--backend horovod needs horovod.torch (pip install "
+                               f"pacmpi[horovod]) and pacmpi.adapters.horovod: {exc}") from exc
+        if cfg.method == "topk" or cfg.checkpoint:
+            raise ValueError("--backend horovod supports --method dense|fp16|pactrain|"
+                             "pactrain-ternary and no --checkpoint")
+        hvd.init()
+        self.masks = masks  # the compressor re-reads these tensors: update them in place
+        op = hvd.Average
+        if cfg.method.startswith("pactrain"):
+            ternary = cfg.method == "pactrain-ternary"
+            self.compressor = PacTrainCompressor(
+                model, masks, quantize="ternary" if ternary else None, average=ternary,
+                stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
+            compression, op = self.compressor, (hvd.Sum if ternary else hvd.Average)
+        else:
+            self.compressor = None
+            compression = hvd.Compression.fp16 if cfg.method == "fp16" else hvd.Compression.none
+        enforcer.register_grad_hooks()  # GSE before Horovod's hooks see the gradients
+        self.optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression, op=op)
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._wire_bytes = self.dense_bytes // 2 if cfg.method == "fp16" else self.dense_bytes
+        self.stats = {"steps": 0, "bytes_sent": 0, "dense_fallbacks": 0,
+                      "packed_reductions": 0, "dense_reductions": 0}
+        self.last_step = {}
+
+    def update_masks(self, masks):
+        with torch.no_grad():
+            for name, mask in masks.items():
+                self.masks[name].copy_(mask)
+
+    def record(self, compute_seconds, step_seconds):
+        """Account one step: ``step_seconds`` is the time ``optimizer.step()`` took."""
+        before = dict(self.stats)
+        if self.compressor is None:
+            self.stats["bytes_sent"] += self._wire_bytes
+            self.stats["dense_reductions"] += 1
+        else:
+            c = self.compressor.stats
+            self.stats.update(bytes_sent=c["bytes_sent"], dense_fallbacks=c["dense_fallbacks"],
+                              packed_reductions=c["packed_tensors"],
+                              dense_reductions=c["dense_tensors"])
+        self.stats["steps"] += 1
+        self.last_step = {key: self.stats[key] - before[key] for key in self.stats}
+        self.last_step.update(compute_seconds=compute_seconds, comm_seconds=step_seconds,
+                              wait_seconds=step_seconds, dense_bytes=self.dense_bytes)
 
 
 class _StepLog:
@@ -232,7 +285,7 @@ class _StepLog:
     def summary(self, first=0):
         steps = self.steps[first:]
         n = max(1, len(steps))
-        sums = {key: sum(s[key] for s in steps) for key in self.KEYS}
+        sums = {key: sum(s.get(key, 0) for s in steps) for key in self.KEYS}
         return {
             "steps": len(steps),
             "samples_per_second": sum(s["samples"] for s in steps) / max(sums["seconds"], 1e-12),
@@ -285,7 +338,8 @@ def run(config) -> dict:
 
     optimizer = _optimizer(cfg, model.parameters(), cfg.lr)
     if cfg.backend == "horovod":
-        optimizer, sync = _horovod_sync(cfg, model, optimizer, masks)
+        sync = _HorovodSync(cfg, model, optimizer, enforcer.masks, enforcer)
+        optimizer = sync.optimizer
     else:
         sync_kwargs = ({} if cfg.method == "topk" else
                        {"bucket_bytes": cfg.bucket_bytes, "verify_every": cfg.verify_every,
@@ -333,14 +387,16 @@ def run(config) -> dict:
                     enforcer.update(new)
                     sync.update_masks(new)
             t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             t1 = time.perf_counter()
             optimizer.step()
             t2 = time.perf_counter()
             step += 1
-            losses.append(float(loss))
+            if cfg.backend == "horovod":
+                sync.record(t1 - t0, t2 - t1)
+            losses.append(float(loss.detach()))
             record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,
                       "optimizer_seconds": t2 - t1 - sync.last_step["wait_seconds"]}
             record.update({k: sync.last_step[k] for k in _StepLog.KEYS if k in sync.last_step})

@@ -140,6 +140,8 @@ class StallWatchdog:
         Base directory of the heartbeat files; must be shared by all nodes of the job.
     poll_interval:
         Seconds between checks of the thread; default ``warn_after / 10`` within [0.05, 1].
+    abort_code:
+        The job's exit status after a stall abort (``MPI_Abort``'s error code).
     stream:
         Where reports go (default ``sys.stderr`` at report time).
     """

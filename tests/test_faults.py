@@ -22,9 +22,9 @@ HOST = socket.gethostname()
 FAILURE_BOUND_S = 30  # the issue's bound on time to failure
 
 
-def timed_mpi(script, n, *args, timeout=60):
+def timed_mpi(script, n, *args, timeout=60, env=None):
     start = time.monotonic()
-    result = run_mpi(script, n, *args, timeout=timeout)
+    result = run_mpi(script, n, *args, timeout=timeout, env=env)
     return result, time.monotonic() - start
 
 
@@ -149,7 +149,7 @@ def test_watchdog_thread_warns_once_then_reports_completion(job):
                           stream=out[r]) for r in range(2)]
     try:
         with dogs[0].collective("Allreduce"):
-            time.sleep(0.7)  # rank 1 never arrives
+            time.sleep(1.0)  # rank 1 never arrives
         with dogs[0].collective("Allreduce"):
             pass
         dogs[1].collective("Allreduce")
@@ -163,7 +163,7 @@ def test_watchdog_thread_warns_once_then_reports_completion(job):
     assert len(lines) == 2, lines
     assert lines[0].startswith(f"[pacmpi watchdog rank 0/2 on {HOST}] collective #1 (Allreduce)")
     assert f"not arrived: rank 1 on {HOST}" in lines[0]
-    assert re.search(r"collective #1 \(Allreduce\) completed after about 0\.\d s", lines[1])
+    assert re.search(r"collective #1 \(Allreduce\) completed after about \d\.\d s", lines[1])
     assert out[1].getvalue() == ""
 
 
@@ -216,44 +216,73 @@ def test_sigkilled_rank_is_named_by_the_project_launcher():
     assert "rank 1" in result.failure_message and "SIGKILL" in result.failure_message
 
 
-def watchdog_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("[pacmpi watchdog")]
+def watchdog_lines(stderr, collective=None):
+    """The watchdog's lines, or only those about collective number ``collective``."""
+    lines = [line for line in stderr.splitlines() if line.startswith("[pacmpi watchdog")]
+    if collective is None:
+        return lines
+    return [line for line in lines if f"] collective #{collective} (" in line]
 
+
+# Ranks of an oversubscribed, loaded machine can be seconds apart at start-up, which the
+# watchdog rightly reports too (and then reports completed); the assertions below look at
+# the collective the injected stall is in.
 
 @pytest.mark.mpi
-def test_watchdog_names_the_stalled_rank_then_aborts():
+def test_watchdog_names_the_stalled_rank_then_aborts(tmp_path):
     # Rank 2 of 4 sleeps 60 s before step 3; warn after 1 s, abort after 3 s.
-    result, elapsed = timed_mpi("fault_stall.py", 4, 2, 3, 60, 1, 3, 20)
+    result, elapsed = timed_mpi("fault_stall.py", 4, 2, 3, 60, 1, 3, 20,
+                                env={"PACMPI_HEARTBEAT_DIR": str(tmp_path)})
     assert result.returncode != 0
     assert 3 <= elapsed < FAILURE_BOUND_S
-    lines = watchdog_lines(result.stderr)
-    warnings = [line for line in lines if "aborting" not in line]
-    aborts = [line for line in lines if "aborting the job after abort_after=3" in line]
-    assert warnings and aborts, result.stderr
-    # The lowest waiting rank reports; the stalled rank never does.
-    assert all(line.startswith(f"[pacmpi watchdog rank 0/4 on {HOST}]") for line in warnings)
-    for line in warnings + aborts:
+    aborts = [line for line in watchdog_lines(result.stderr) if "; aborting the job" in line]
+    assert aborts, result.stderr
+    stalled = re.search(r"\] collective #(\d+) \(", aborts[0]).group(1)
+    lines = watchdog_lines(result.stderr, stalled)
+    warnings = [line for line in lines if "; aborting the job" not in line]
+    assert warnings, result.stderr
+    for line in lines:
         assert f"not arrived: rank 2 on {HOST} (pid " in line
         assert not re.search(r"rank [013] on .* \(pid", line.split("not arrived:")[1])
-    assert "watchdog rank 2/4" not in result.stderr
+        assert float(re.search(r"has waited ([\d.]+) s", line).group(1)) >= 1.0
+        assert not line.startswith("[pacmpi watchdog rank 2/")
+    assert all("aborting the job after abort_after=3.0 s" in line for line in aborts)
     assert "STALL-DONE" not in result.stdout
 
 
 @pytest.mark.mpi
-def test_watchdog_reports_a_transient_stall_and_lets_the_job_finish():
-    result, _ = timed_mpi("fault_stall.py", 2, 1, 3, 2.5, 1, "none", 10)
+def test_watchdog_reports_a_transient_stall_and_lets_the_job_finish(tmp_path):
+    # Rank 1 of 2 sleeps 2.5 s before step 3; warn after 1 s, never abort.
+    result, _ = timed_mpi("fault_stall.py", 2, 1, 3, 2.5, 1, "none", 10,
+                          env={"PACMPI_HEARTBEAT_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    lines = watchdog_lines(result.stderr)
-    assert len(lines) == 2, result.stderr
-    assert f"not arrived: rank 1 on {HOST}" in lines[0]
-    assert "completed after about" in lines[1]
     assert result.stdout.count("STALL-DONE") == 2
+    stalls = re.findall(rf"^\[pacmpi watchdog rank 0/2 on {re.escape(HOST)}\] collective #(\d+) "
+                        rf"\(\w+\) has waited [\d.]+ s; not arrived: rank 1 on {re.escape(HOST)} ",
+                        result.stderr, re.M)
+    assert stalls, result.stderr
+    done = re.search(r"completed after about ([\d.]+) s$",
+                     watchdog_lines(result.stderr, stalls[-1])[-1])
+    assert done and float(done.group(1)) >= 1.0, result.stderr
 
 
 @pytest.mark.mpi
-def test_watchdog_is_silent_when_every_rank_arrives_in_time():
-    # Negative control: a 0.2 s delay stays below warn_after = 2 s.
-    result, _ = timed_mpi("fault_stall.py", 2, 1, 3, 0.2, 2, 5, 100)
+def test_watchdog_is_silent_when_every_rank_arrives_in_time(tmp_path):
+    # Negative control: a 0.2 s delay stays well below warn_after = 5 s.
+    result, _ = timed_mpi("fault_stall.py", 2, 1, 3, 0.2, 5, 10, 100,
+                          env={"PACMPI_HEARTBEAT_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert watchdog_lines(result.stderr) == []
     assert result.stdout.count("STALL-DONE") == 2
+    assert list(tmp_path.iterdir()) == []  # every rank removed its heartbeat file
+
+
+@pytest.mark.mpi
+def test_overhead_benchmark_runs(tmp_path):
+    # Timing is not asserted (shared 2-core machines are too noisy); run it with larger counts
+    # (e.g. 10000 9) to measure the per-call cost of the watchdog.
+    result, _ = timed_mpi("fault_overhead.py", 2, 1000, 2,
+                          env={"PACMPI_HEARTBEAT_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    for variant in ("raw mpi4py", "watchdog=None", "watchdog on"):
+        assert re.search(rf"OVERHEAD {variant}: \d+\.\d+ us/call", result.stdout), result.stdout

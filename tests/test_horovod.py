@@ -19,7 +19,7 @@ pytest.importorskip("horovod.torch")
 
 SCRIPT = "hvd_compressor.py"
 RANKS = 2
-TIMEOUT = 90
+TIMEOUT = 120  # generous: ranks share 2 cores; a hang still fails
 
 
 def run_horovod_gloo(script, n, *args, timeout=TIMEOUT):
@@ -68,15 +68,30 @@ def test_scenarios_pass_on_every_rank(launcher):
             assert f"OK {scenario} rank {rank}" in result.stdout, output(result)
 
 
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_divergent_masks_fail_on_every_rank(launcher):
-    """Rank 1 moves its survivors at step 2 (same count): every rank raises
-    MaskMismatchError naming rank 1, before anything is summed, and the job exits non-zero."""
-    result = LAUNCHERS[launcher](SCRIPT, RANKS, "mismatch")
+def assert_mismatch_reported(result, n):
+    """Every rank stopped at step 2 with MaskMismatchError naming the last rank."""
     assert result.returncode != 0, output(result)
-    for rank in range(RANKS):
+    for rank in range(n):
         assert f"rank {rank} finished step 1" in result.stdout, output(result)
         assert f"rank {rank} finished step 2" not in result.stdout, output(result)
         assert re.search(rf"rank {rank} raised MaskMismatchError: ranks disagree on mask\S* .*"
-                         r"at step 2; offending ranks: \[1\]", result.stdout), output(result)
+                         rf"at step 2; offending ranks: \[{n - 1}\]", result.stdout), output(result)
+    assert f"rank {n - 1} on " in result.stdout, output(result)
     assert "masks differ from rank 0's for ['2.weight']" in result.stdout, output(result)
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_divergent_masks_fail_on_every_rank(launcher):
+    """The last rank moves its survivors at step 2 (same count): every rank raises
+    MaskMismatchError naming it, before anything is summed, and the job exits non-zero."""
+    assert_mismatch_reported(LAUNCHERS[launcher](SCRIPT, RANKS, "mismatch"), RANKS)
+
+
+def test_four_ranks_ternary_reducer_and_mismatch():
+    """Base-9 ternary words on 4 ranks still decode exactly; the reducer over Horovod sums
+    exactly; a divergent mask on rank 3 stops all four ranks."""
+    result = run_mpi(SCRIPT, 4, "ternary", "reducer", "mismatch", timeout=TIMEOUT)
+    for scenario in ("ternary", "reducer"):
+        for rank in range(4):
+            assert f"OK {scenario} rank {rank}" in result.stdout, output(result)
+    assert_mismatch_reported(result, 4)

@@ -1,22 +1,28 @@
 """PacTrainCompressor / HorovodCollectives on 2+ Horovod ranks (horovodrun --gloo or mpirun).
 
-Usage: hvd_compressor.py SCENARIO..., each one of: match, gradual, ternary, reducer, mismatch
-(several scenarios share one launch, which costs more than most scenarios).
+Usage: hvd_compressor.py SCENARIO..., each one of: match, gradual, ternary, reducer, checkpoint,
+prune, interrupt, mismatch (several scenarios share one launch, which costs more than most
+scenarios).
 Every rank prints "OK <scenario> rank <r>" after each scenario that passed. In the mismatch scenario every rank
 prints "rank <r> raised <ErrorType>: ..." and exits with status 3.
 
 Gradients are integer-valued (small integer weights and inputs, lr a power of two), so sums
 are exact and packed results must equal Horovod's dense results bit for bit.
 """
+import io
+import pickle
 import sys
+import warnings
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import horovod.torch as hvd
 from pacmpi import MaskMismatchError, PacTrainReducer, RankInputError
 from pacmpi.adapters.horovod import HorovodCollectives, PacTrainCompressor
+from pacmpi.adapters.pruning import masks_from_torch_prune
 
 LR = 2.0 ** -6
 
@@ -36,56 +42,90 @@ def make_masks(model, density=0.5, seed=1):
             for name, p in model.named_parameters() if name.endswith("weight")}
 
 
+def gradual_masks():
+    """``masks_at(step)`` of a run that prunes further at step 3."""
+    base = make_masks(integer_model(), density=0.7)
+    sparser = {n: m & make_masks(integer_model(), density=0.6, seed=2)[n]
+               for n, m in base.items()}
+    return lambda step: base if step < 3 else sparser
+
+
+def expect_rank_error(call, *needles):
+    """``call()`` raises RankInputError (on every rank, as each rank checks) naming needles."""
+    try:
+        call()
+    except RankInputError as exc:
+        for needle in needles:
+            assert needle in str(exc), (needle, exc)
+    else:
+        raise AssertionError(f"no RankInputError; expected one naming {needles}")
+
+
 def batch(step, rank):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     return (torch.randint(-2, 3, (8, 12), generator=gen).float(),
             torch.randint(-2, 3, (8, 6), generator=gen).float())
 
 
-def backward(model, step):
+def backward(model, step, forward=None):
     x, t = batch(step, hvd.rank())
-    (model(x) * t).sum().backward()
+    ((model if forward is None else forward)(x) * t).sum().backward()
 
 
-def train(masks_at, steps, compression, op=hvd.Average, **compressor_kw):
-    """Weights after each step, and the per-step reduced grads, of one run.
+class Run:
+    """A training run: model, DistributedOptimizer and, for ``compression="pactrain"``, a
+    PacTrainCompressor (or pass a compressor). ``grads`` collects each step's reduced grads.
 
-    ``masks_at(step)`` returns the masks of a step (the dict is updated in place, as a
-    gradual pruning schedule would); the dense reference masks its grads after synchronize.
+    ``masks_at(step)`` returns the masks of a step, copied into ``masks`` (the dict the
+    compressor holds) as a gradual pruning schedule would; the dense reference masks its
+    grads after synchronize.
     """
-    model = integer_model()
-    masks = {name: mask.clone() for name, mask in masks_at(0).items()}
-    compressor = None
-    if compression == "pactrain":
-        compressor = PacTrainCompressor(model, masks, **compressor_kw)
-        compression = compressor
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
-                                         named_parameters=model.named_parameters(),
-                                         compression=compression, op=op)
-    grads = []
-    for step in range(steps):
-        for name, mask in masks_at(step).items():
-            masks[name].copy_(mask)
-        optimizer.zero_grad()
-        backward(model, step)
-        optimizer.synchronize()
+
+    def __init__(self, masks_at, compression, op=hvd.Average, model=None, masks=None,
+                 **compressor_kw):
+        self.model = integer_model() if model is None else model
+        self.masks_at = masks_at
+        self.masks = masks if masks is not None else {
+            name: mask.clone() for name, mask in masks_at(0).items()}
+        if compression == "pactrain":
+            compression = PacTrainCompressor(self.model, self.masks, **compressor_kw)
+        self.compressor = compression if isinstance(compression, PacTrainCompressor) else None
+        self.optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(self.model.parameters(), lr=LR),
+            named_parameters=self.model.named_parameters(), compression=compression, op=op)
+        self.grads = []
+
+    def use_masks(self, step):
+        for name, mask in self.masks_at(step).items():
+            self.masks[name].copy_(mask)
+
+    def step(self, step, forward=None):
+        self.use_masks(step)
+        self.optimizer.zero_grad()
+        backward(self.model, step, forward)
+        self.optimizer.synchronize()
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if compressor is None and name in masks:
-                    p.grad.mul_(masks[name])
-        grads.append([p.grad.clone() for p in model.parameters()])
-        with optimizer.skip_synchronize():
-            optimizer.step()
-    return model, grads, compressor
+            for name, p in self.model.named_parameters():
+                if self.compressor is None and name in self.masks:
+                    p.grad.mul_(self.masks[name])
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+
+
+def train(masks_at, steps, compression, op=hvd.Average, **kw):
+    run = Run(masks_at, compression, op=op, **kw)
+    for step in range(steps):
+        run.step(step)
+    return run
 
 
 def assert_same_run(run, reference):
-    (model, grads, _), (ref_model, ref_grads, _) = run, reference
-    for step, (got, want) in enumerate(zip(grads, ref_grads)):
+    for step, (got, want) in enumerate(zip(run.grads, reference.grads, strict=True)):
         for g, w in zip(got, want):
-            assert torch.equal(g, w), f"step {step}: reduced grads differ from Horovod's dense"
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), "weights differ from Horovod's dense run"
+            assert torch.equal(g, w), f"step {step}: reduced grads differ from the reference"
+    for p, q in zip(run.model.parameters(), reference.model.parameters()):
+        assert torch.equal(p, q), "weights differ from the reference run"
 
 
 def scenario_match():
@@ -93,7 +133,7 @@ def scenario_match():
     for op in (hvd.Average, hvd.Sum):
         run = train(lambda step: masks, 4, "pactrain", op=op)
         assert_same_run(run, train(lambda step: masks, 4, hvd.Compression.none, op=op))
-        stats = run[2].stats
+        stats = run.compressor.stats
         # stable_steps=1: the first step reduces the fresh masks dense, later steps pack.
         assert stats["steps"] == 4 and stats["verifications"] == 4, stats
         assert stats["dense_fallbacks"] == 2 and stats["packed_tensors"] == 6, stats
@@ -102,16 +142,12 @@ def scenario_match():
     # Verifying every other step re-reads masks less often and changes nothing else.
     run = train(lambda step: masks, 4, "pactrain", verify_every=2)
     assert_same_run(run, train(lambda step: masks, 4, hvd.Compression.none))
-    assert run[2].stats["verifications"] == 2, run[2].stats
+    assert run.compressor.stats["verifications"] == 2, run.compressor.stats
 
     # Bad arguments fail on every rank together.
     for bad in ({"average": True}, {"quantize": "fp8"}):
-        try:
-            PacTrainCompressor(integer_model(), masks, **bad)
-        except RankInputError as exc:
-            assert f"rank {hvd.rank()}: ValueError" in str(exc), exc
-        else:
-            raise AssertionError(f"{bad} was accepted")
+        expect_rank_error(lambda: PacTrainCompressor(integer_model(), masks, **bad),
+                          f"rank {hvd.rank()}: ValueError")
 
     # A bare hvd.allreduce with the compressor: the masked sum, one verification per call.
     model = integer_model()
@@ -121,30 +157,23 @@ def scenario_match():
     expected = hvd.allreduce(weight.grad * masks["0.weight"], op=hvd.Sum, name="expected")
     got = hvd.allreduce(weight.grad, op=hvd.Sum, compression=compressor, name="got")
     assert torch.equal(got, expected) and compressor.stats["packed_tensors"] == 1
+    alias = weight.grad.view(weight.shape)  # another tensor object on the same storage
+    got = hvd.allreduce(alias, op=hvd.Sum, compression=compressor, name="alias")
+    assert torch.equal(got, expected) and compressor.stats["packed_tensors"] == 2
 
     # Negative control: a tensor that is no bound .grad fails on every rank, no hang.
-    try:
-        hvd.allreduce(torch.zeros(3), compression=compressor, name="stray")
-    except RankInputError as exc:
-        assert "not the .grad" in str(exc), exc
-    else:
-        raise AssertionError("an unmatched tensor was reduced")
+    expect_rank_error(lambda: hvd.allreduce(torch.zeros(3), compression=compressor,
+                                            name="stray"), "not the .grad")
 
 
 def scenario_gradual():
-    base = make_masks(integer_model(), density=0.7)
-    sparser = {n: m & make_masks(integer_model(), density=0.6, seed=2)[n]
-               for n, m in base.items()}
-
-    def masks_at(step):
-        return base if step < 3 else sparser
-
+    masks_at = gradual_masks()
     run = train(masks_at, 7, "pactrain", stable_steps=2)
     assert_same_run(run, train(masks_at, 7, hvd.Compression.none))
-    stats = run[2].stats
+    stats = run.compressor.stats
     # Two masked weights: dense at steps 0-1 (new), packed 2, dense 3-4 (changed), packed 5-6.
     assert stats["dense_fallbacks"] == 8 and stats["packed_tensors"] == 6, stats
-    assert run[2].tracker.version == 2, run[2].tracker.version
+    assert run.compressor.tracker.version == 2, run.compressor.tracker.version
 
 
 class Codes(nn.Module):
@@ -249,6 +278,175 @@ def scenario_reducer():
     grads = [g.copy() for g in grads_of[hvd.rank()]]
     ternary.reduce(grads)
     assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+TERNARY = {"quantize": "ternary", "average": True, "op": hvd.Sum}
+CHECKPOINT_AT, RESUMED_STEPS = 4, 7
+
+
+def resumed(masks_at, how, op=hvd.Average, **kw):
+    """A run checkpointed after CHECKPOINT_AT steps and continued by a new model,
+    DistributedOptimizer and compressor: restored by load_state_dict ("state_dict"),
+    unpickled together with the model ("pickle"), or without compressor state ("fresh")."""
+    first = train(masks_at, CHECKPOINT_AT, "pactrain", op=op, **kw)
+    if how == "pickle":
+        model, masks, compressor = pickle.loads(
+            pickle.dumps((first.model, first.masks, first.compressor)))
+        run = Run(masks_at, compressor, op=op, model=model, masks=masks)
+    else:
+        blob = io.BytesIO()
+        torch.save({"model": first.model.state_dict(),
+                    "compressor": first.compressor.state_dict()}, blob)
+        blob.seek(0)
+        saved = torch.load(blob, weights_only=False)
+        run = Run(masks_at, "pactrain", op=op, **kw)
+        run.model.load_state_dict(saved["model"])
+        run.use_masks(CHECKPOINT_AT - 1)  # the masks the checkpoint last verified
+        if how == "state_dict":
+            run.compressor.load_state_dict(saved["compressor"])
+    run.grads = first.grads
+    for step in range(CHECKPOINT_AT, RESUMED_STEPS):
+        run.step(step)
+    return run
+
+
+def scenario_checkpoint():
+    """Resuming mid-way through a mask change (dense until stable, then packed) continues bit
+    for bit; a checkpoint that does not fit is refused on every rank, changing nothing."""
+    masks_at = gradual_masks()
+    for kw in ({}, TERNARY):
+        reference = train(masks_at, RESUMED_STEPS, "pactrain", stable_steps=2, **kw)
+        for how in ("state_dict", "pickle"):
+            run = resumed(masks_at, how, stable_steps=2, **kw)
+            assert_same_run(run, reference)
+            assert run.compressor.stats == reference.compressor.stats, (
+                how, run.compressor.stats, reference.compressor.stats)
+    # Negative control: without the compressor's state (step, residuals) ternary differs.
+    fresh = resumed(masks_at, "fresh", stable_steps=2, **TERNARY)
+    assert not all(torch.equal(g, w) for g, w in
+                   zip(fresh.grads[CHECKPOINT_AT], reference.grads[CHECKPOINT_AT]))
+
+    saved = reference.compressor.state_dict()
+    assert saved["residuals"] and saved["step"] == RESUMED_STEPS, saved
+    masks = {name: mask.clone() for name, mask in masks_at(RESUMED_STEPS).items()}
+    ternary = {k: v for k, v in TERNARY.items() if k != "op"}
+
+    # Another world size: residuals are per-rank, so they are dropped with a warning.
+    compressor = PacTrainCompressor(integer_model(), masks, **ternary)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compressor.load_state_dict(dict(saved, world_size=hvd.size() + 1))
+    assert [str(w.message) for w in caught if "world size" in str(w.message)], caught
+    assert compressor.state_dict()["residuals"] == {} and compressor.step == RESUMED_STEPS
+
+    # Refused on every rank: other quantize mode, other parameters, masks differing from the
+    # verified ones on the last rank only. The refused compressor is left as it was.
+    expect_rank_error(lambda: PacTrainCompressor(integer_model(), masks).load_state_dict(saved),
+                      "quantize='ternary'")
+    expect_rank_error(lambda: PacTrainCompressor(Codes(), {}, **ternary).load_state_dict(saved),
+                      "checkpoint parameters")
+    last = hvd.size() - 1
+    if hvd.rank() == last:
+        masks["0.weight"].view(-1)[:2] ^= True
+    compressor = PacTrainCompressor(integer_model(), masks, **ternary)
+    expect_rank_error(lambda: compressor.load_state_dict(saved),
+                      f"rank {last}: ValueError: masks of ['0.weight'] differ")
+    assert compressor.step == 0 and compressor.tracker.version == 0
+
+
+def torch_pruned_model():
+    model = integer_model()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    return model
+
+
+def scenario_prune():
+    """torch.nn.utils.prune interop: masks keyed by logical names ("0.weight", whose gradient
+    lands on 0.weight_orig) pack and equal Horovod's dense run; bad keys fail everywhere."""
+    model = torch_pruned_model()
+    masks = dict(masks_from_torch_prune(model), **{"2.weight": make_masks(model)["2.weight"]})
+    assert list(masks) == ["0.weight", "2.weight"] and "0.weight" not in dict(
+        model.named_parameters())
+    assert 0 < int(masks["0.weight"].sum()) < masks["0.weight"].numel()
+    run = train(lambda step: masks, 4, "pactrain", model=model)
+    reference = train(lambda step: masks, 4, hvd.Compression.none, model=torch_pruned_model())
+    assert_same_run(run, reference)
+    stats = run.compressor.stats
+    assert stats["dense_fallbacks"] == 2 and stats["packed_tensors"] == 6, stats
+    assert run.compressor.tracker.buckets[0].survivors == int(masks["0.weight"].sum())
+
+    # Unknown on the last rank only, two keys for one parameter, a logical name without the
+    # module to resolve it: refused on every rank, naming the key.
+    last = hvd.size() - 1
+    unknown = dict(masks, **({"fc.weight": masks["2.weight"]} if hvd.rank() == last else {}))
+    expect_rank_error(lambda: PacTrainCompressor(model, unknown),
+                      f"rank {last}: ValueError: masks name parameters that are not bound: "
+                      "['fc.weight']")
+    expect_rank_error(lambda: run.compressor.set_masks(unknown), "['fc.weight']")
+    twice = dict(masks, **{"0.weight_orig": masks["0.weight"]})
+    expect_rank_error(lambda: PacTrainCompressor(model, twice),
+                      "'0.weight' and '0.weight_orig' both name parameter '0.weight_orig'")
+    expect_rank_error(lambda: PacTrainCompressor(list(model.named_parameters()), masks),
+                      "['0.weight']", "nn.Module")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def raise_interrupted(grad):
+    raise Interrupted
+
+
+def interrupting_forward(model):
+    """The model's forward, whose backward raises after the last layer's gradients exist."""
+    def forward(x):
+        hidden = model[1](model[0](x))
+        hidden.register_hook(raise_interrupted)
+        return model[2](hidden)
+    return forward
+
+
+def abandon(optimizer):
+    """A loop's recovery from a failed backward: wait for the all-reduces Horovod launched,
+    then drop them (DistributedOptimizer.load_state_dict clears its handles)."""
+    for handle, _ in optimizer._handles.values():
+        if handle is not None:
+            hvd.synchronize(handle)
+    optimizer.load_state_dict(optimizer.state_dict())
+
+
+def scenario_interrupt():
+    """Backward raises at step 2 after two gradients went out; the step is retried after
+    reset_step() or, without it, after the compressor notices: bit-identical to a run that
+    never failed, also in ternary mode (no residual of the abandoned step is kept)."""
+    masks = make_masks(integer_model())
+    for kw in ({}, TERNARY):
+        reference = train(lambda step: masks, 5, "pactrain", **kw)
+        for explicit in (True, False):
+            run = Run(lambda step: masks, "pactrain", **kw)
+            for step in range(5):
+                if step == 2:
+                    try:
+                        run.step(step, forward=interrupting_forward(run.model))
+                    except Interrupted:
+                        pass
+                    else:
+                        raise AssertionError("backward did not raise")
+                    assert run.compressor.outstanding == 2, run.compressor.outstanding
+                    abandon(run.optimizer)
+                    if explicit:
+                        run.compressor.reset_step()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    run.step(step)
+                noticed = [w for w in caught if "abandoned" in str(w.message)]
+                assert len(noticed) == (step == 2 and not explicit), (step, caught)
+            assert_same_run(run, reference)
+            stats = run.compressor.stats
+            assert (stats["steps"], stats["verifications"], stats["abandoned_steps"]) == (
+                5, 6, 1), stats
+            assert run.compressor.step == 5 and run.compressor.outstanding == 0
 
 
 def scenario_mismatch():

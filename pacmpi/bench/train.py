@@ -1,0 +1,600 @@
+"""``pacmpi bench train``: time-to-accuracy of PacTrain against its baselines on shaped links.
+
+The driver runs outside MPI. It pretrains the model once (a one-rank run of the training job
+that only fills the ``--pretrained`` cache), then launches the fine-tuning job
+(:mod:`pacmpi.adapters.train`) on ``ranks`` ranks with :func:`pacmpi.launch.run_command` for
+every (link rate, method): ``none`` is the host's own transport, ``100mbit``/``1gbit`` the
+test bed's one shared tbf-shaped link, calibrated before every run. A rate whose calibration is
+more than ``tolerance`` off nominal is refused: its results are not reported.
+
+Per run it records the accuracy curve over wall-clock time, time to a target accuracy (TTA;
+the target is ``target_fraction`` of the dense fp32 run's final accuracy at the same rate),
+final accuracy, throughput (mean and 95% interval over steps), the step-time split, bytes per
+step and dense fallbacks; speedup = TTA(baseline) / TTA(method) against dense fp32 and dense
+fp16. A sweep over pruning ratios (unshaped: it is about accuracy) reuses runs that match.
+Writes one JSON file and PNG plots, prints a table.
+
+Methods are named by label: ``dense-fp32``, ``dense-fp16`` and ``topk-<P>%`` fine-tune the
+unpruned model (``baseline_ratio``, 0 by default: what one would train without PacTrain);
+``pactrain-<R>`` and ``pactrain-ternary-<R>`` prune a fraction ``R`` first.
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_METHODS", "DEFAULT_RATES", "DEFAULT_SWEEP", "MethodSpec", "parse_method",
+    "time_to_accuracy", "speedup", "throughput_stats", "summarize_run", "add_tta",
+    "run_benchmark", "format_table", "write_plots", "build_parser", "main",
+]
+
+DEFAULT_RATES = ("none", "100mbit", "1gbit")
+DEFAULT_METHODS = ("dense-fp32", "dense-fp16", "topk-1%", "pactrain-0.5", "pactrain-0.8",
+                   "pactrain-ternary-0.8")
+DEFAULT_SWEEP = (0.0, 0.5, 0.7, 0.8, 0.9)
+BASELINES = ("dense-fp32", "dense-fp16")
+TRAIN_MODULE = "pacmpi.adapters.train"
+CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
+
+# The full benchmark's workload; see NOTES for why.
+FULL = {"ranks": 4, "epochs": 8, "batch_size": 32, "lr": 0.01, "model": "digits_cnn",
+        "width": 32, "hidden": "1024", "pretrain_epochs": 1}
+# --quick: a tiny model on 2 unshaped ranks, for tests and smoke runs.
+QUICK = {"ranks": 2, "epochs": 2, "batch_size": 32, "lr": 0.01, "model": "digits_cnn",
+         "width": 8, "hidden": "64", "pretrain_epochs": 1, "rates": ("none",),
+         "sweep_ratios": (0.0, 0.5, 0.8)}
+
+NOTES = [
+    "Workload: scikit-learn digits (1347 train / 450 test images), DigitsCNN width 32 with a "
+    "1024-unit hidden layer: ~1.07 M parameters, ~4.3 MB of fp32 gradients, 95% of them in one "
+    "fully connected layer, so magnitude pruning removes nearly the whole requested fraction.",
+    "Why this size: at 100 Mbit/s a 4-rank ring all-reduce of S bytes moves 2*3*S bytes over the "
+    "one shared link, ~2 s per step for 4.3 MB, against ~30-60 ms of compute on these 2 cores: "
+    "communication dominates at 100 Mbit/s and still matters at 1 Gbit/s (~0.2 s), the regime "
+    "the paper studies. A bigger model would make the dense 100 Mbit/s run alone exceed the time "
+    "budget.",
+    "Pretraining: 1 dense epoch (Adam), ~92% test accuracy, done once and cached; fine-tuning "
+    "then improves accuracy over several epochs so that time-to-accuracy is not decided at "
+    "step 0. The baselines (dense fp32, dense fp16, TopK) fine-tune the unpruned model; PacTrain "
+    "prunes it first (magnitude, one shot) and fine-tunes with a fixed mask.",
+    "Fine-tuning: 4 ranks x 32 samples per step (10 steps per epoch), SGD lr 0.01 momentum 0.9; "
+    "test accuracy is measured after every epoch only, so TTA has epoch resolution.",
+    "Timing: TTA is wall-clock since fine-tuning began and includes the per-epoch evaluation "
+    "(which broadcasts rank 0's parameters and BatchNorm statistics, a dense transfer for every "
+    "method); 'train' TTA sums step times only. The 2-core host is shared with other jobs and "
+    "runs 4 ranks oversubscribed, so compute times carry noise of tens of percent.",
+    "Bytes per step are what each rank hands to the collective (packed survivors, ternary "
+    "words, TopK indices+values, plus the verification vector); link_bytes_per_step models what "
+    "crosses the one shared link: 2(n-1)x that for a ring all-reduce, n(n-1)x for TopK's "
+    "all-gather.",
+]
+
+
+# ---------------------------------------------------------------------------------- methods
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked configuration: ``label`` as shown, the training job's ``method``,
+    pruning ``ratio`` and ``topk_ratio``."""
+
+    label: str
+    method: str
+    ratio: float
+    topk_ratio: float = 0.01
+
+
+def parse_method(label, baseline_ratio=0.0):
+    """``"pactrain-0.8"`` -> ``MethodSpec("pactrain-0.8", "pactrain", 0.8)``; see module doc."""
+    fixed = {"dense-fp32": "dense", "dense-fp16": "fp16"}
+    if label in fixed:
+        return MethodSpec(label, fixed[label], baseline_ratio)
+    match = re.fullmatch(r"topk-(\d+(?:\.\d+)?)%", label)
+    if match and 0 < float(match.group(1)) <= 100:
+        return MethodSpec(label, "topk", baseline_ratio, float(match.group(1)) / 100)
+    match = re.fullmatch(r"(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)", label)
+    if match and 0 <= float(match.group(2)) < 1:
+        return MethodSpec(label, match.group(1), float(match.group(2)))
+    raise ValueError(f"unknown method label {label!r}: use dense-fp32, dense-fp16, topk-P% "
+                     "(0 < P <= 100), pactrain-R or pactrain-ternary-R (0 <= R < 1)")
+
+
+# ---------------------------------------------------------------------------------- arithmetic
+def time_to_accuracy(curve, target, key="wall_seconds"):
+    """``(curve[i][key], curve[i]["epoch"])`` of the first point whose ``test_accuracy`` reaches
+    ``target``; ``(None, None)`` when none does (or ``target`` is None)."""
+    if target is None:
+        return None, None
+    for point in curve:
+        if point["test_accuracy"] >= target:
+            return point[key], point["epoch"]
+    return None, None
+
+
+def speedup(baseline_tta, tta):
+    """``baseline_tta / tta``; None when either never reached the target (no number is honest
+    then: the table says which one did not)."""
+    if baseline_tta is None or tta is None or tta <= 0:
+        return None
+    return baseline_tta / tta
+
+
+def _t_quantile(n):
+    """Two-sided 95% Student t quantile for ``n`` samples (1.96 without SciPy)."""
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, n - 1))
+    except ImportError:
+        return 1.96
+
+
+def throughput_stats(steps, warmup=2):
+    """Samples/s over the steps after ``warmup``: ``mean`` (samples per mean step time) and a
+    95% interval from the t-interval of the mean step time (mapped through samples / time)."""
+    steps = steps[warmup:] if len(steps) > warmup + 1 else steps
+    if not steps:
+        return {"mean": None, "ci95_low": None, "ci95_high": None, "steps": 0}
+    seconds = [s["seconds"] for s in steps]
+    samples = statistics.fmean(s["samples"] for s in steps)
+    mean = statistics.fmean(seconds)
+    half = (_t_quantile(len(seconds)) * statistics.stdev(seconds) / math.sqrt(len(seconds))
+            if len(seconds) > 1 else 0.0)
+    return {"mean": samples / mean, "ci95_low": samples / (mean + half),
+            "ci95_high": samples / (mean - half) if mean > half else None,
+            "steps": len(seconds), "step_seconds_mean": mean, "step_seconds_ci95": half}
+
+
+def summarize_run(result, spec, world):
+    """Reduce the training job's JSON (``result``) to the benchmark's per-run record."""
+    summary = result["summary"]
+    elapsed_train, curve = 0.0, []
+    for record in result["epochs"]:
+        elapsed_train += record["step_seconds"]["seconds"] * record["steps"]
+        curve.append({"epoch": record["epoch"], "wall_seconds": record["wall_seconds"],
+                      "train_seconds": elapsed_train, "test_accuracy": record["test_accuracy"],
+                      "train_loss": record["train_loss"]})
+    fan_out = world * (world - 1) if spec.method == "topk" else 2 * (world - 1)
+    accuracies = [p["test_accuracy"] for p in curve]
+    return {
+        "label": spec.label, "method": spec.method, "ratio": spec.ratio,
+        "topk_ratio": spec.topk_ratio if spec.method == "topk" else None,
+        "parameters": result["parameters"], "density": result["density"],
+        "pretrained_accuracy": result["pretrained_accuracy"],
+        "final_accuracy": result["final_accuracy"],
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "curve": curve,
+        "throughput": throughput_stats(result["steps"]),
+        "step_seconds": summary["step_seconds"],
+        "bytes_per_step": summary["bytes_per_step"],
+        "dense_bytes_per_step": summary["dense_bytes_per_step"],
+        "compression": (summary["dense_bytes_per_step"] / summary["bytes_per_step"]
+                        if summary["bytes_per_step"] else None),
+        "link_bytes_per_step": fan_out * summary["bytes_per_step"],
+        "dense_fallbacks": result["fallbacks"],
+        "packed_reductions": summary["packed_reductions"],
+        "dense_reductions": summary["dense_reductions"],
+        "state_sha256": result["state_sha256"],
+    }
+
+
+def add_tta(runs, target_fraction, reference="dense-fp32", baselines=BASELINES):
+    """Set the target from ``runs[reference]`` and fill every run's ``tta_seconds``,
+    ``tta_train_seconds``, ``tta_epoch``, ``reached_target`` and ``speedup_vs_<baseline>``
+    (wall-clock and ``train_`` variants) in place; returns the target (None without a
+    finished reference run)."""
+    ref = runs.get(reference)
+    target = (target_fraction * ref["final_accuracy"]
+              if ref and ref.get("final_accuracy") is not None else None)
+    for run in runs.values():
+        if "curve" not in run:
+            continue
+        run["tta_seconds"], run["tta_epoch"] = time_to_accuracy(run["curve"], target)
+        run["tta_train_seconds"], _ = time_to_accuracy(run["curve"], target, "train_seconds")
+        run["reached_target"] = run["tta_seconds"] is not None
+    for run in runs.values():
+        if "curve" not in run:
+            continue
+        for name in baselines:
+            base = runs.get(name, {})
+            key = "speedup_vs_" + name.replace("-", "_")
+            run[key] = speedup(base.get("tta_seconds"), run["tta_seconds"])
+            run["train_" + key] = speedup(base.get("tta_train_seconds"), run["tta_train_seconds"])
+    return target
+
+
+# ---------------------------------------------------------------------------------- running
+def _train_argv(cfg, spec, pretrained, json_path, seed):
+    argv = [sys.executable, "-m", TRAIN_MODULE, "--model", cfg["model"],
+            "--width", str(cfg["width"]), "--hidden", str(cfg["hidden"]),
+            "--pretrain-epochs", str(cfg["pretrain_epochs"]), "--pretrained", str(pretrained),
+            "--epochs", str(cfg["epochs"]), "--batch-size", str(cfg["batch_size"]),
+            "--lr", str(cfg["lr"]), "--seed", str(seed), "--no-progress", "--json", str(json_path)]
+    if spec is not None:
+        argv += ["--method", spec.method, "--ratio", str(spec.ratio),
+                 "--topk-ratio", str(spec.topk_ratio)]
+    return argv
+
+
+def _pretrain(cfg, cache_dir, seed, timeout):
+    """Fill the pretrained-model cache once: a one-rank job (MPI singleton) with no fine-tuning
+    epochs pretrains, writes the cache and exits; later runs only load it."""
+    import subprocess
+
+    name = (f"pretrained_{cfg['model']}_w{cfg['width']}_h{str(cfg['hidden']).replace(',', '-')}"
+            f"_e{cfg['pretrain_epochs']}_s{seed}.pt")
+    path = Path(cache_dir) / name
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = _train_argv({**cfg, "epochs": 0}, None, path, Path(tmp) / "pre.json", seed)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not path.exists():
+        raise RuntimeError(f"pretraining failed (exit status {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return path
+
+
+def _say(message, echo):
+    if echo:
+        print(f"bench train: {message}", file=sys.stderr, flush=True)
+
+
+def _launch(cfg, spec, rate, pretrained, workdir, seed, tolerance, timeout, echo):
+    """One training job; returns ``(record or None, calibration, error message or None)``.
+    ``CalibrationError``/``TestbedError`` propagate (they concern the whole rate)."""
+    from pacmpi.launch import run_command
+
+    json_path = Path(workdir) / f"{rate}_{spec.label}.json".replace("%", "pct")
+    started = time.perf_counter()
+    result = run_command(_train_argv(cfg, spec, pretrained, json_path, seed), cfg["ranks"],
+                         link=rate, oversubscribe=True, tolerance=tolerance, timeout=timeout,
+                         capture=True, echo=False)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0 or not json_path.exists():
+        tail = (result.stderr or "").strip()[-1500:]
+        return None, result.calibration, (f"{result.failure_message or 'job failed'} "
+                                          f"(exit status {result.returncode}): {tail}")
+    with open(json_path) as f:
+        record = summarize_run(json.load(f), spec, cfg["ranks"])
+    record.update(rate=rate, job_seconds=seconds, calibration=result.calibration)
+    _say(f"{rate:>8} {spec.label:<22} final accuracy {record['final_accuracy']:.4f}, "
+         f"{record['throughput']['mean']:.0f} samples/s, job {seconds:.0f} s", echo)
+    return record, result.calibration, None
+
+
+def _run_rate(cfg, specs, rate, pretrained, workdir, seed, tolerance, timeout, echo):
+    """Every method at one rate; a refused or failed test bed ends the rate (no results)."""
+    from pacmpi.launch import CalibrationError, TestbedError
+
+    block = {"status": "ok", "error": None, "calibration": [], "runs": {}, "failed": {}}
+    for spec in specs:
+        _say(f"{rate:>8} {spec.label:<22} running", echo)
+        try:
+            record, calibration, error = _launch(cfg, spec, rate, pretrained, workdir, seed,
+                                                 tolerance, timeout, echo)
+        except CalibrationError as exc:
+            block.update(status="refused", error=str(exc), runs={}, failed={})
+            block["calibration"].append(exc.result)
+            _say(f"{rate}: {exc}; no results are reported for this rate", True)
+            return block
+        except TestbedError as exc:
+            block.update(status="error", error=f"test bed unavailable: {exc}", runs={}, failed={})
+            _say(f"{rate}: {block['error']}", True)
+            return block
+        if calibration:
+            block["calibration"].append(calibration)
+        if error:
+            block["failed"][spec.label] = error
+            _say(f"{rate:>8} {spec.label:<22} FAILED: {error}", True)
+        else:
+            block["runs"][spec.label] = record
+    return block
+
+
+def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=DEFAULT_SWEEP,
+                  sweep_rate="none", ranks=FULL["ranks"], epochs=FULL["epochs"],
+                  batch_size=FULL["batch_size"], lr=FULL["lr"], model=FULL["model"],
+                  width=FULL["width"], hidden=FULL["hidden"],
+                  pretrain_epochs=FULL["pretrain_epochs"], baseline_ratio=0.0,
+                  target_fraction=0.98, tolerance=0.15, timeout=1200, seed=0, cache_dir=None,
+                  out_dir="results", json_path=None, plots=True, echo=True, notes=NOTES):
+    """Run the benchmark and return its JSON-able dict (also written to ``json_path``,
+    default ``out_dir/bench_train.json``; plots go to ``out_dir``).
+
+    Knobs: ``rates`` (``"none"`` = unshaped, or tc rates such as ``"100mbit"``); ``methods``
+    (labels, see :func:`parse_method`); ``sweep_ratios`` (pruning ratios for accuracy versus
+    ratio, run with PacTrain at ``sweep_rate``; runs already made there are reused; empty: no
+    sweep); ``ranks``, ``epochs``, ``batch_size`` (per rank), ``lr``, ``model``, ``width``,
+    ``hidden``, ``pretrain_epochs``, ``seed``: the training job's; ``baseline_ratio``: pruning
+    of the dense/fp16/TopK baselines; ``target_fraction``: TTA target as a fraction of the dense
+    fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
+    nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
+    cached (default ``$XDG_CACHE_HOME/pacmpi`` or ``~/.cache/pacmpi``).
+    """
+    started = time.perf_counter()
+    specs = [parse_method(m, baseline_ratio) for m in methods]
+    cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
+           "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs}
+    cache_dir = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                     / "pacmpi")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = Path(json_path) if json_path else out_dir / "bench_train.json"
+    pretrained = _pretrain(cfg, cache_dir, seed, timeout)
+    _say(f"pretrained model cached at {pretrained}", echo)
+
+    report = {
+        "benchmark": "pacmpi bench train", "schema_version": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                 "python": platform.python_version()},
+        "config": {**cfg, "rates": list(rates), "methods": list(methods),
+                   "sweep_ratios": list(sweep_ratios), "sweep_rate": sweep_rate,
+                   "baseline_ratio": baseline_ratio, "target_fraction": target_fraction,
+                   "tolerance": tolerance, "seed": seed, "pretrained": str(pretrained)},
+        "notes": list(notes), "rates": {}, "ratio_sweep": None, "plots": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
+        for rate in rates:
+            block = _run_rate(cfg, specs, rate, pretrained, workdir, seed, tolerance, timeout,
+                              echo)
+            block["target_accuracy"] = add_tta(block["runs"], target_fraction)
+            report["rates"][rate] = block
+        if sweep_ratios:
+            report["ratio_sweep"] = _sweep(cfg, sweep_ratios, sweep_rate, report["rates"],
+                                           pretrained, workdir, seed, tolerance, timeout, echo)
+    if plots:
+        report["plots"] = write_plots(report, out_dir)
+    report["total_seconds"] = time.perf_counter() - started
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1)
+    report["json"] = str(json_path)
+    return report
+
+
+def _sweep(cfg, ratios, rate, blocks, pretrained, workdir, seed, tolerance, timeout, echo):
+    """Final accuracy of PacTrain at each pruning ratio; a ratio-0 point reuses the dense fp32
+    run (nothing is pruned, so PacTrain sends exactly dense's values)."""
+    existing = {}
+    for run in blocks.get(rate, {}).get("runs", {}).values():
+        if run["method"] == "pactrain" or (run["method"] == "dense" and run["ratio"] == 0):
+            existing.setdefault(run["ratio"], run)
+    points, missing = [], [r for r in ratios if r not in existing]
+    extra = _run_rate(cfg, [parse_method(f"pactrain-{r}") for r in missing], rate, pretrained,
+                      workdir, seed, tolerance, timeout, echo) if missing else None
+    if extra:
+        existing.update({run["ratio"]: run for run in extra["runs"].values()})
+    for ratio in ratios:
+        run = existing.get(ratio)
+        points.append({"ratio": ratio, "label": run["label"] if run else None,
+                       "final_accuracy": run["final_accuracy"] if run else None,
+                       "best_accuracy": run["best_accuracy"] if run else None,
+                       "density": run["density"] if run else None,
+                       "curve": run["curve"] if run else None})
+    return {"rate": rate, "method": "pactrain",
+            "pretrained_accuracy": next((p["pretrained_accuracy"] for p in existing.values()),
+                                        None),
+            "points": points, "status": extra["status"] if extra else "ok",
+            "error": extra["error"] if extra else None,
+            "failed": extra["failed"] if extra else {}}
+
+
+# ---------------------------------------------------------------------------------- output
+def _fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def format_table(report):
+    """The results as plain-text tables, one per rate, then the ratio sweep."""
+    lines = []
+    for rate, block in report["rates"].items():
+        lines.append(f"== link {rate} ({report['config']['ranks']} ranks) ==")
+        if block["status"] != "ok":
+            lines.append(f"  {block['status'].upper()}: {block['error']}")
+            continue
+        for cal in block["calibration"][:1]:
+            lines.append(f"  calibration: {cal['link_bps'] / 1e6:.1f} Mbit/s = {cal['ratio']:.1%} "
+                         f"of nominal (first run; {len(block['calibration'])} runs calibrated, "
+                         f"min {min(c['ratio'] for c in block['calibration']):.1%})")
+        lines.append(f"  target accuracy {_fmt(block['target_accuracy'], '.4f')} "
+                     f"({report['config']['target_fraction']:.0%} of dense fp32 final)")
+        lines.append(f"  {'method':<22} {'final':>6} {'TTA s':>7} {'x fp32':>6} {'x fp16':>6} "
+                     f"{'samples/s [95%]':>19} {'step ms':>7} {'comp':>6} {'pack':>5} "
+                     f"{'comm':>6} {'unpk':>5} {'bytes/step':>11} {'fb':>3}")
+        for label, run in block["runs"].items():
+            t, th = run["step_seconds"], run["throughput"]
+            tta = _fmt(run["tta_seconds"], "7.1f", "never")
+            lines.append(
+                f"  {label:<22} {run['final_accuracy']:>6.4f} {tta:>7} "
+                f"{_fmt(run['speedup_vs_dense_fp32'], '6.2f'):>6} "
+                f"{_fmt(run['speedup_vs_dense_fp16'], '6.2f'):>6} "
+                f"{th['mean']:>7.0f} [{th['ci95_low']:>4.0f},{th['ci95_high']:>5.0f}] "
+                f"{t['seconds'] * 1e3:>7.1f} {t['compute'] * 1e3:>6.1f} {t['pack'] * 1e3:>5.1f} "
+                f"{t['comm'] * 1e3:>6.1f} {t['unpack'] * 1e3:>5.1f} "
+                f"{run['bytes_per_step']:>11,.0f} {run['dense_fallbacks']:>3}")
+        never = [label for label, run in block["runs"].items() if not run["reached_target"]]
+        if never:
+            lines.append(f"  never reached the target: {', '.join(never)}")
+        for label, error in block["failed"].items():
+            lines.append(f"  FAILED {label}: {error.splitlines()[0][:200]}")
+    sweep = report.get("ratio_sweep")
+    if sweep:
+        lines.append(f"== accuracy vs pruning ratio (PacTrain, link {sweep['rate']}; "
+                     f"pretrained dense {_fmt(sweep['pretrained_accuracy'], '.4f')}) ==")
+        for p in sweep["points"]:
+            lines.append(f"  ratio {p['ratio']:.2f}: density {_fmt(p['density'], '.3f')}, final "
+                         f"{_fmt(p['final_accuracy'], '.4f')}, best {_fmt(p['best_accuracy'], '.4f')}")
+    return "\n".join(lines)
+
+
+def write_plots(report, out_dir):
+    """Accuracy vs time per rate, TTA speedup per rate, step-time split and accuracy vs ratio,
+    as PNG files in ``out_dir``; returns ``{name: path}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    methods = report["config"]["methods"]
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    ok = {r: b for r, b in report["rates"].items() if b["status"] == "ok" and b["runs"]}
+    paths = {}
+
+    def save(fig, name):
+        path = out_dir / f"bench_train_{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[name] = str(path)
+
+    if ok:
+        fig, axes = plt.subplots(1, len(ok), figsize=(5.2 * len(ok), 4), squeeze=False)
+        for ax, (rate, block) in zip(axes[0], ok.items()):
+            for label, run in block["runs"].items():
+                ax.plot([p["wall_seconds"] for p in run["curve"]],
+                        [p["test_accuracy"] for p in run["curve"]], "o-", ms=3, label=label,
+                        color=colors.get(label))
+            if block["target_accuracy"] is not None:
+                ax.axhline(block["target_accuracy"], ls="--", color="gray", lw=1,
+                           label="target")
+            ax.set(title=f"link {rate}", xlabel="wall-clock since fine-tuning began (s)",
+                   ylabel="test accuracy")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        save(fig, "accuracy_vs_time")
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        width = 0.8 / max(1, len(methods))
+        for ax, base in zip(axes, BASELINES):
+            key = "speedup_vs_" + base.replace("-", "_")
+            for i, label in enumerate(methods):
+                xs, ys = [], []
+                for j, block in enumerate(ok.values()):
+                    value = block["runs"].get(label, {}).get(key)
+                    if value is not None:
+                        xs.append(j + (i - (len(methods) - 1) / 2) * width)
+                        ys.append(value)
+                ax.bar(xs, ys, width, label=label, color=colors[label])
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_xticks(range(len(ok)), [f"link {r}" for r in ok])
+            ax.set(ylabel=f"TTA speedup vs {base}", title=f"time-to-accuracy speedup vs {base}")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].legend(fontsize=7)
+        save(fig, "tta_speedup")
+
+        parts = ("compute", "pack", "comm", "unpack", "verify", "optimizer")
+        fig, axes = plt.subplots(1, len(ok), figsize=(5.2 * len(ok), 4), squeeze=False)
+        for ax, (rate, block) in zip(axes[0], ok.items()):
+            labels = list(block["runs"])
+            bottom = [0.0] * len(labels)
+            for part in parts:
+                values = [block["runs"][m]["step_seconds"].get(part, 0.0) * 1e3 for m in labels]
+                ax.bar(range(len(labels)), values, bottom=bottom, label=part)
+                bottom = [b + v for b, v in zip(bottom, values)]
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+            ax.set(title=f"link {rate}", ylabel="ms per step")
+        axes[0][0].legend(fontsize=7)
+        save(fig, "step_breakdown")
+
+    sweep = report.get("ratio_sweep")
+    points = [p for p in (sweep or {}).get("points", []) if p["final_accuracy"] is not None]
+    if points:
+        fig, ax = plt.subplots(figsize=(5.2, 4))
+        ax.plot([p["ratio"] for p in points], [p["final_accuracy"] for p in points], "o-",
+                label="final (after fine-tuning)")
+        ax.plot([p["ratio"] for p in points], [p["best_accuracy"] for p in points], "s--",
+                label="best epoch")
+        if sweep["pretrained_accuracy"] is not None:
+            ax.axhline(sweep["pretrained_accuracy"], ls=":", color="gray",
+                       label="pretrained dense")
+        ax.set(xlabel="pruning ratio (fraction removed)", ylabel="test accuracy",
+               title=f"PacTrain accuracy vs pruning ratio ({report['config']['epochs']} epochs)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, "accuracy_vs_ratio")
+    return paths
+
+
+# ---------------------------------------------------------------------------------- CLI
+def _floats(text):
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _words(text):
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def build_parser(parser=None):
+    parser = parser or argparse.ArgumentParser(prog="pacmpi bench train",
+                                               description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, 2 unshaped ranks, 2 epochs (a few minutes)")
+    parser.add_argument("--rates", type=_words, default=None,
+                        help=f"link rates; 'none' = unshaped (default {','.join(DEFAULT_RATES)})")
+    parser.add_argument("--methods", type=_words, default=DEFAULT_METHODS,
+                        help=f"method labels (default {','.join(DEFAULT_METHODS)})")
+    parser.add_argument("--sweep-ratios", type=_floats, default=None,
+                        help="pruning ratios for accuracy vs ratio; '' = none "
+                             f"(default {','.join(map(str, DEFAULT_SWEEP))})")
+    parser.add_argument("--sweep-rate", default="none")
+    for key in ("ranks", "epochs", "batch_size", "pretrain_epochs", "width"):
+        parser.add_argument("--" + key.replace("_", "-"), type=int, default=None,
+                            help=f"default {FULL[key]} ({QUICK[key]} with --quick)")
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--hidden", default=None)
+    parser.add_argument("--baseline-ratio", type=float, default=0.0,
+                        help="pruning ratio of the dense/fp16/TopK baselines (default 0)")
+    parser.add_argument("--target-fraction", type=float, default=0.98,
+                        help="TTA target as a fraction of dense fp32's final accuracy")
+    parser.add_argument("--tolerance", type=float, default=0.15,
+                        help="refuse a rate whose calibration is this far off nominal")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per training job")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", default=None, help="pretrained-model cache")
+    parser.add_argument("--out-dir", default="results", help="JSON and plots (default results/)")
+    parser.add_argument("--json", default=None, help="default OUT_DIR/bench_train.json")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser
+
+
+def main(argv=None):
+    """Entry point of ``pacmpi bench train``. Exit status: 0; 1 when a job failed; 3 when a
+    rate's calibration was refused (the other rates are still reported)."""
+    args = build_parser().parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    workload = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
+                for k in ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
+                          "pretrain_epochs")}
+    default_rates = QUICK["rates"] if args.quick else DEFAULT_RATES
+    default_sweep = QUICK["sweep_ratios"] if args.quick else DEFAULT_SWEEP
+    report = run_benchmark(
+        rates=args.rates or default_rates, methods=args.methods,
+        sweep_ratios=default_sweep if args.sweep_ratios is None else args.sweep_ratios,
+        sweep_rate=args.sweep_rate, baseline_ratio=args.baseline_ratio,
+        target_fraction=args.target_fraction, tolerance=args.tolerance, timeout=args.timeout,
+        seed=args.seed, cache_dir=args.cache_dir, out_dir=args.out_dir, json_path=args.json,
+        plots=not args.no_plots, **workload)
+    print(format_table(report))
+    print(f"total {report['total_seconds']:.0f} s; wrote {report['json']}"
+          + (f" and {len(report['plots'])} plots" if report["plots"] else ""))
+    blocks = list(report["rates"].values()) + ([report["ratio_sweep"]]
+                                                if report["ratio_sweep"] else [])
+    if any(b["status"] == "refused" for b in blocks):
+        return CALIBRATION_REFUSED
+    return 1 if any(b["status"] != "ok" or b["failed"] for b in blocks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

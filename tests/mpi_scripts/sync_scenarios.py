@@ -1,0 +1,151 @@
+"""MPI worker: PacTrainSync / TopKSync invariants on a small pruned CNN with per-rank data.
+
+1. every method: after each step all ranks hold bit-identical weights and pruned weights are
+   exactly 0; PacTrain sends fewer bytes than dense, TopK fewer still;
+2. PacTrain (lossless) ends within float tolerance of dense training of the same masked model;
+3. a parameter used only on some ranks in a step (p.grad None elsewhere): no hang, identical
+   weights;
+4. gradual pruning through update_masks(): the step after a change falls back to dense
+   (dense_fallbacks > 0) and later steps are packed again.
+
+Rank 0 prints ``OK <name>`` per scenario; any failure raises (non-zero exit on every rank).
+"""
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+from pacmpi.adapters.models import DigitsCNN
+from pacmpi.adapters.pruning import MaskEnforcer, prune
+from pacmpi.adapters.torch_sync import broadcast_parameters, make_sync
+
+comm = MPI.COMM_WORLD
+rank, size = comm.rank, comm.size
+STEPS = 6
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def assert_identical(model, what):
+    digests = comm.allgather(digest(model))
+    assert len(set(digests)) == 1, f"{what}: weights differ across ranks: {digests}"
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
+    return torch.rand(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def train(method, ratio=0.5, steps=STEPS, **kwargs):
+    torch.manual_seed(rank)  # different init per rank: the broadcast must fix it
+    model = DigitsCNN(width=8, hidden=32)
+    broadcast_parameters(model)
+    masks = prune(model, ratio, comm=comm)
+    enforcer = MaskEnforcer(model, masks)
+    sync = make_sync(model, method, masks=masks, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sync.attach(opt)
+    enforcer.attach(opt)
+    sent = 0
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sent += sync.last_step["bytes_sent"]
+        assert_identical(model, f"{method} step {step}")
+        for name, param in enforcer.parameters.items():
+            assert (param[~masks[name]] == 0).all(), f"{method}: pruned {name} moved"
+    sync.remove()
+    return model, sent
+
+
+def scenario_methods():
+    results = {m: train(m, **({"bucket_bytes": 8192} if m != "topk" else {}))
+               for m in ("dense", "fp16", "pactrain", "pactrain-ternary", "topk")}
+    dense, pac = results["dense"][0], results["pactrain"][0]
+    diff = max(float((a - b).detach().abs().max()) for a, b in zip(dense.parameters(), pac.parameters()))
+    assert diff < 1e-5, f"pactrain differs from dense by {diff}"
+    bytes_ = {m: r[1] for m, r in results.items()}
+    assert bytes_["pactrain"] < 0.65 * bytes_["dense"], bytes_
+    assert bytes_["fp16"] == bytes_["dense"] // 2, bytes_
+    assert bytes_["topk"] < 0.05 * bytes_["dense"], bytes_
+    assert bytes_["pactrain-ternary"] < bytes_["pactrain"] / 4, bytes_
+    return f"max |pactrain - dense| = {diff:.2e}, bytes {bytes_}"
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head_a = nn.Linear(16, 4)
+        self.head_b = nn.Linear(16, 4)
+
+    def forward(self, x, use_b):
+        h = torch.relu(self.body(x))
+        return self.head_a(h) + (self.head_b(h) if use_b else 0)
+
+
+def scenario_unused():
+    torch.manual_seed(rank)
+    model = TwoHeads()
+    broadcast_parameters(model)
+    masks = prune(model, 0.5, comm=comm)
+    sync = make_sync(model, "pactrain", masks=masks, bucket_bytes=256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync.attach(opt)
+    for step in range(4):
+        g = torch.Generator().manual_seed(rank * 7 + step)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        # head_b is unused on odd ranks at even steps, and on every rank at step 3.
+        use_b = step != 3 and (rank % 2 == 0 or step % 2 == 1)
+        F.cross_entropy(model(x, use_b), y).backward()
+        opt.step()
+        assert_identical(model, f"unused step {step}")
+    return "ok"
+
+
+def scenario_gradual():
+    torch.manual_seed(0)
+    model = DigitsCNN(width=8, hidden=32)
+    broadcast_parameters(model)
+    masks = prune(model, 0.0, comm=comm)  # all kept: the schedule prunes later
+    enforcer = MaskEnforcer(model, masks)
+    sync = make_sync(model, "pactrain", masks=masks, stable_steps=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync.attach(opt)
+    enforcer.attach(opt)
+    log = []
+    for step in range(10):
+        if step in (2, 6):
+            new = prune(model, 0.4 if step == 2 else 0.8, current_masks=enforcer.masks, comm=comm)
+            enforcer.update(new)
+            sync.update_masks(new)
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        log.append((sync.last_step["dense_fallbacks"], sync.last_step["packed_reductions"]))
+        assert_identical(model, f"gradual step {step}")
+    fallbacks = [f for f, _ in log]
+    packed = [p for _, p in log]
+    assert fallbacks[:2] == [0, 0] and packed[:2] == [0, 0], log  # all-True masks: dense
+    assert all(f > 0 for f in fallbacks[2:4] + fallbacks[6:8]), log  # changed: dense fallback
+    assert packed[5] > 0 and packed[9] > 0 and fallbacks[9] == 0, log  # recovered: packed
+    assert sync.stats["dense_fallbacks"] > 0
+    return f"(fallbacks, packed) per step {log}"
+
+
+for name, scenario in [("methods", scenario_methods), ("unused", scenario_unused),
+                       ("gradual", scenario_gradual)]:
+    detail = scenario()
+    if rank == 0:
+        print(f"OK {name}: {detail}", flush=True)

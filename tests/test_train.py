@@ -1,0 +1,53 @@
+"""``pacmpi.adapters.train``: argument handling locally, the job end to end under mpirun."""
+import sys
+
+import pytest
+
+from mpi_util import run_mpi  # tests/ is put on sys.path by conftest.py
+from pacmpi.adapters import train
+
+
+def test_parse_gradual():
+    assert train.parse_gradual("10:0.5,20:0.8") == [(10, 0.5), (20, 0.8)]
+    with pytest.raises(ValueError, match="step:ratio"):
+        train.parse_gradual("10")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "int8"}, "method must be"),
+    ({"dataset": "cifar10"}, "needs --data-dir"),
+    ({"resume": True}, "needs --checkpoint"),
+    ({"learning_rate": 1}, "unknown config keys"),
+])
+def test_config_validation(config, message):
+    with pytest.raises(ValueError, match=message):
+        train.run(config)
+
+
+def test_parser_covers_every_config_field():
+    args = train.build_parser().parse_args(["--method", "topk", "--topk-ratio", "0.02",
+                                            "--no-progress", "--gradual", "5:0.5"])
+    assert args.method == "topk" and args.topk_ratio == 0.02 and args.progress is False
+    assert train._config(args).gradual == "5:0.5"
+
+
+def test_horovod_backend_fails_clearly_without_horovod(monkeypatch):
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # import raises ImportError
+    cfg = train._config({"backend": "horovod"})
+    with pytest.raises(RuntimeError, match="--backend horovod needs horovod.torch"):
+        train._HorovodSync(cfg, None, None, {}, None)
+
+
+@pytest.mark.mpi
+def test_every_method_end_to_end_on_two_ranks(tmp_path):
+    result = run_mpi("train_e2e.py", 2, "methods", tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for method in ("dense", "fp16", "pactrain", "pactrain-ternary", "topk", "json"):
+        assert f"OK {method}" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.mpi
+def test_resumed_run_is_bit_identical(tmp_path):
+    result = run_mpi("train_e2e.py", 2, "resume", tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK resume: bit-identical" in result.stdout, result.stdout + result.stderr
