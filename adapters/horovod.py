@@ -160,6 +160,7 @@ class _Context:
 
 
 def _every_parameter(name, param):
+    """``include=`` for named_prunable_parameters: any parameter may carry a mask here."""
     return True
 
 

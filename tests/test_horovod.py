@@ -51,16 +51,23 @@ def output(result):
     return f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
-SCENARIOS = ("match", "gradual", "ternary", "reducer")
+SCENARIOS = ("match", "gradual", "ternary", "reducer", "checkpoint", "prune", "interrupt")
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_scenarios_pass_on_every_rank(launcher):
-    """One launch runs every scenario (a launch costs seconds). match: packed training equals Horovod's dense training on masked grads (Average and
-    Sum), also through a bare hvd.allreduce, and a stray tensor fails on every rank;
-    gradual: a mask change mid-run falls back to dense, then packs again, still exact;
-    ternary: op=hvd.Sum decodes to exactly scale * (integer sum of codes), op=hvd.Average is
-    refused; reducer: PacTrainReducer over HorovodCollectives sums exactly."""
+    """One launch runs every scenario (a launch costs seconds). match: packed training equals
+    Horovod's dense training on masked grads (Average and Sum), also through a bare
+    hvd.allreduce, and a stray tensor fails on every rank; gradual: a mask change mid-run
+    falls back to dense, then packs again, still exact; ternary: op=hvd.Sum decodes to exactly
+    scale * (integer sum of codes), op=hvd.Average is refused; reducer: PacTrainReducer over
+    HorovodCollectives sums exactly; checkpoint: state_dict / load_state_dict (and pickling
+    with the model) into a new DistributedOptimizer resumes bit for bit, lossless and ternary,
+    residuals are dropped with a warning at another world size, and a checkpoint of another
+    quantize mode, other parameters or other masks (on one rank) fails on every rank;
+    prune: torch.nn.utils.prune's logical mask names pack and equal the dense run, bad keys
+    fail on every rank; interrupt: backward raising mid-step, then reset_step() or the
+    automatic reset, retries the step bit-identically to an uninterrupted run."""
     result = LAUNCHERS[launcher](SCRIPT, RANKS, *SCENARIOS)
     assert result.returncode == 0, output(result)
     for scenario in SCENARIOS:

@@ -20,9 +20,9 @@ def test_as_array_is_zero_copy_for_grads_and_masks():
     assert mview.dtype == np.bool_ and mview.ctypes.data == mask.data_ptr()
     mask[1] = True  # in-place mask updates are seen by the reducer's array
     assert mview[1]
-    strided = torch.zeros(4, 6)[:, ::2]
-    assert np.shares_memory(as_array(strided), as_array(torch.zeros(0))) is False
-    assert as_array(strided).ctypes.data == strided.data_ptr()
+    strided = torch.zeros(4, 6)[:, ::2]  # a non-contiguous grad is viewed, not copied
+    as_array(strided)[0, 1] = 3.0
+    assert strided[0, 1] == 3.0
 
 
 def test_as_array_rejects_other_devices():
@@ -57,7 +57,7 @@ def _check(result, *expected):
 def test_sync_scenarios(ranks):
     """Identical weights, pactrain == dense, zero pruned weights, unused params, gradual."""
     _check(run_mpi("sync_scenarios.py", ranks, timeout=150),
-           "OK methods", "OK unused", "OK gradual")
+           "OK methods", "OK unused", "OK gradual", "OK optimizer")
 
 
 @pytest.mark.mpi

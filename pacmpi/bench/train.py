@@ -446,6 +446,7 @@ def write_plots(report, out_dir):
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     methods = report["config"]["methods"]
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     ok = {r: b for r, b in report["rates"].items() if b["status"] == "ok" and b["runs"]}
@@ -481,14 +482,20 @@ def write_plots(report, out_dir):
             for i, label in enumerate(methods):
                 xs, ys = [], []
                 for j, block in enumerate(ok.values()):
+                    x = j + (i - (len(methods) - 1) / 2) * width
                     value = block["runs"].get(label, {}).get(key)
                     if value is not None:
-                        xs.append(j + (i - (len(methods) - 1) / 2) * width)
+                        xs.append(x)
                         ys.append(value)
-                ax.bar(xs, ys, width, label=label, color=colors[label])
+                    elif label in block["runs"]:  # ran, but it or the baseline missed the target
+                        ax.text(x, 0.02, "n/r", ha="center", va="bottom", fontsize=6,
+                                rotation=90)
+                bars = ax.bar(xs, ys, width, label=label, color=colors[label])
+                ax.bar_label(bars, fmt="%.2f", fontsize=6)
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_xticks(range(len(ok)), [f"link {r}" for r in ok])
-            ax.set(ylabel=f"TTA speedup vs {base}", title=f"time-to-accuracy speedup vs {base}")
+            ax.set(ylabel=f"TTA speedup vs {base}", xlim=(-0.5, len(ok) - 0.5),
+                   title=f"time-to-accuracy speedup vs {base} (n/r: target not reached)")
             ax.grid(axis="y", alpha=0.3)
         axes[0].legend(fontsize=7)
         save(fig, "tta_speedup")
@@ -566,6 +573,9 @@ def build_parser(parser=None):
     parser.add_argument("--out-dir", default="results", help="JSON and plots (default results/)")
     parser.add_argument("--json", default=None, help="default OUT_DIR/bench_train.json")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="only redraw the plots (into --out-dir) and print the table of an "
+                             "earlier run's JSON")
     return parser
 
 
@@ -573,6 +583,13 @@ def main(argv=None):
     """Entry point of ``pacmpi bench train``. Exit status: 0; 1 when a job failed; 3 when a
     rate's calibration was refused (the other rates are still reported)."""
     args = build_parser().parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            report = json.load(f)
+        report["plots"] = write_plots(report, args.out_dir)
+        print(format_table(report))
+        print(f"wrote {len(report['plots'])} plots to {args.out_dir}")
+        return 0
     preset = QUICK if args.quick else FULL
     workload = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
                 for k in ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",

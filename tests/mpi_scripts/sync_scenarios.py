@@ -6,7 +6,8 @@
 3. a parameter used only on some ranks in a step (p.grad None elsewhere): no hang, identical
    weights;
 4. gradual pruning through update_masks(): the step after a change falls back to dense
-   (dense_fallbacks > 0) and later steps are packed again.
+   (dense_fallbacks > 0) and later steps are packed again;
+5. broadcast_optimizer_state() makes rank-dependent Adam state rank 0's everywhere.
 
 Rank 0 prints ``OK <name>`` per scenario; any failure raises (non-zero exit on every rank).
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from pacmpi.adapters.models import DigitsCNN
 from pacmpi.adapters.pruning import MaskEnforcer, prune
-from pacmpi.adapters.torch_sync import broadcast_parameters, make_sync
+from pacmpi.adapters.torch_sync import broadcast_optimizer_state, broadcast_parameters, make_sync
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
@@ -144,8 +145,25 @@ def scenario_gradual():
     return f"(fallbacks, packed) per step {log}"
 
 
+def scenario_optimizer_broadcast():
+    torch.manual_seed(0)
+    model = DigitsCNN(width=4, hidden=8)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(rank + 1):  # rank-dependent moments and step counts, no sync
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    broadcast_optimizer_state(opt)
+    state = opt.state_dict()["state"]
+    flat = torch.cat([v.reshape(-1).float() for s in state.values() for v in s.values()])
+    digests = comm.allgather(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    assert len(set(digests)) == 1 and float(state[0]["step"]) == 1.0, digests
+    return "ok"
+
+
 for name, scenario in [("methods", scenario_methods), ("unused", scenario_unused),
-                       ("gradual", scenario_gradual)]:
+                       ("gradual", scenario_gradual), ("optimizer", scenario_optimizer_broadcast)]:
     detail = scenario()
     if rank == 0:
         print(f"OK {name}: {detail}", flush=True)

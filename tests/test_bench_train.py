@@ -1,0 +1,198 @@
+"""Tests for ``pacmpi bench train``: TTA/speedup arithmetic on hand-made records, a quick
+end-to-end run (unshaped, 2 ranks, tiny model) checking the JSON schema and plots, and the
+refusal of a rate whose calibration fails (skipped without root / network namespaces)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pacmpi.bench.train import (MethodSpec, add_tta, main, parse_method, speedup,
+                                throughput_stats, time_to_accuracy)
+
+PY = sys.executable
+TINY = ["--ranks", "2", "--epochs", "2", "--width", "8", "--hidden", "64",
+        "--pretrain-epochs", "1", "--timeout", "120"]
+
+
+@pytest.fixture(autouse=True)
+def venv_first_on_path(monkeypatch):
+    """The venv's bin (mpirun) first on PATH, as the docs tell users to do."""
+    monkeypatch.setenv("PATH", f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One pretrained-model cache for the module: pretraining runs once."""
+    return tmp_path_factory.mktemp("pretrained")
+
+
+def _curve(points):
+    """``[(wall, train, accuracy), ...]`` -> curve records."""
+    return [{"epoch": i, "wall_seconds": w, "train_seconds": t, "test_accuracy": a}
+            for i, (w, t, a) in enumerate(points)]
+
+
+# --- arithmetic ----------------------------------------------------------------------------
+
+def test_time_to_accuracy_first_crossing_and_never():
+    curve = _curve([(10, 8, 0.90), (20, 16, 0.96), (30, 24, 0.95), (40, 32, 0.97)])
+    assert time_to_accuracy(curve, 0.96) == (20, 1)  # reaching it counts (>=)
+    assert time_to_accuracy(curve, 0.965, key="train_seconds") == (32, 3)
+    assert time_to_accuracy(curve, 0.99) == (None, None)
+    assert time_to_accuracy(curve, None) == (None, None)
+
+
+def test_speedup():
+    assert speedup(40.0, 10.0) == 4.0
+    assert speedup(None, 10.0) is None and speedup(40.0, None) is None
+
+
+def test_add_tta_targets_dense_and_fills_speedups():
+    runs = {
+        "dense-fp32": {"final_accuracy": 0.98, "curve": _curve([(40, 36, 0.95), (80, 72, 0.98)])},
+        "dense-fp16": {"final_accuracy": 0.98, "curve": _curve([(20, 18, 0.95), (40, 36, 0.98)])},
+        "pactrain-0.8": {"final_accuracy": 0.97,
+                         "curve": _curve([(5, 4, 0.961), (10, 8, 0.97)])},
+        "topk-1%": {"final_accuracy": 0.90, "curve": _curve([(8, 7, 0.85), (16, 14, 0.90)])},
+    }
+    target = add_tta(runs, 0.98)
+    assert target == pytest.approx(0.98 * 0.98)  # 0.9604
+    assert runs["dense-fp32"]["tta_seconds"] == 80 and runs["dense-fp32"]["tta_epoch"] == 1
+    assert runs["dense-fp16"]["tta_seconds"] == 40
+    pt = runs["pactrain-0.8"]
+    assert (pt["tta_seconds"], pt["tta_train_seconds"], pt["tta_epoch"]) == (5, 4, 0)
+    assert pt["speedup_vs_dense_fp32"] == 16.0 and pt["speedup_vs_dense_fp16"] == 8.0
+    assert pt["train_speedup_vs_dense_fp32"] == 18.0 and pt["train_speedup_vs_dense_fp16"] == 9.0
+    assert runs["dense-fp32"]["speedup_vs_dense_fp32"] == 1.0
+    assert runs["dense-fp32"]["speedup_vs_dense_fp16"] == 0.5
+    topk = runs["topk-1%"]
+    assert topk["reached_target"] is False and topk["tta_seconds"] is None
+    assert topk["speedup_vs_dense_fp32"] is None and topk["speedup_vs_dense_fp16"] is None
+
+
+def test_add_tta_without_dense_run_reports_nothing():
+    runs = {"pactrain-0.8": {"final_accuracy": 0.97, "curve": _curve([(5, 4, 0.97)])}}
+    assert add_tta(runs, 0.98) is None
+    assert runs["pactrain-0.8"]["tta_seconds"] is None
+    assert runs["pactrain-0.8"]["speedup_vs_dense_fp32"] is None
+
+
+def test_throughput_stats_interval_brackets_mean():
+    steps = [{"seconds": s, "samples": 128} for s in (5.0, 5.0, 0.5, 0.4, 0.6, 0.5)]
+    stats = throughput_stats(steps, warmup=2)
+    assert stats["steps"] == 4
+    assert stats["mean"] == pytest.approx(128 / 0.5)
+    assert stats["ci95_low"] < stats["mean"] < stats["ci95_high"]
+    flat = throughput_stats([{"seconds": 0.25, "samples": 64}] * 5, warmup=0)
+    assert flat["ci95_low"] == flat["mean"] == flat["ci95_high"] == 256
+
+
+def test_parse_method_labels_and_negative_controls():
+    assert parse_method("dense-fp32") == MethodSpec("dense-fp32", "dense", 0.0)
+    assert parse_method("dense-fp16", 0.5) == MethodSpec("dense-fp16", "fp16", 0.5)
+    assert parse_method("topk-1%") == MethodSpec("topk-1%", "topk", 0.0, 0.01)
+    assert parse_method("pactrain-0.8") == MethodSpec("pactrain-0.8", "pactrain", 0.8)
+    assert parse_method("pactrain-ternary-0.8").method == "pactrain-ternary"
+    for bad in ("dense", "topk-0%", "topk-1", "pactrain-1.0", "pactrain-ternary", "fp16"):
+        with pytest.raises(ValueError, match="unknown method label"):
+            parse_method(bad)
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_quick_benchmark_writes_json_table_and_plots(tmp_path, cache_dir, capsys):
+    out = tmp_path / "results"
+    code = main(["--quick", "--methods", "dense-fp32,dense-fp16,pactrain-0.8",
+                 "--sweep-ratios", "0,0.8", "--out-dir", str(out),
+                 "--cache-dir", str(cache_dir), *TINY])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "== link none (2 ranks) ==" in printed and "accuracy vs pruning ratio" in printed
+
+    report = json.loads((out / "bench_train.json").read_text())
+    assert report["config"]["ranks"] == 2 and report["config"]["rates"] == ["none"]
+    assert report["notes"] and report["total_seconds"] > 0
+    block = report["rates"]["none"]
+    assert block["status"] == "ok" and not block["failed"] and block["calibration"] == []
+    assert set(block["runs"]) == {"dense-fp32", "dense-fp16", "pactrain-0.8"}
+    dense = block["runs"]["dense-fp32"]
+    assert block["target_accuracy"] == pytest.approx(0.98 * dense["final_accuracy"])
+    for label, run in block["runs"].items():
+        assert len(run["curve"]) == 2
+        walls = [p["wall_seconds"] for p in run["curve"]]
+        assert walls == sorted(walls) and walls[0] > 0
+        assert 0 <= run["final_accuracy"] <= 1
+        assert run["throughput"]["ci95_low"] <= run["throughput"]["mean"]
+        assert set(run["step_seconds"]) >= {"seconds", "compute", "pack", "comm", "unpack"}
+        assert run["bytes_per_step"] > 0 and run["dense_fallbacks"] >= 0
+        for base in ("dense_fp32", "dense_fp16"):
+            base_tta = block["runs"][base.replace("_", "-")]["tta_seconds"]
+            expected = (None if base_tta is None or run["tta_seconds"] is None
+                        else base_tta / run["tta_seconds"])
+            assert run["speedup_vs_" + base] == (pytest.approx(expected) if expected else None)
+    # Packing sends what survives pruning (plus unpruned biases and the verification vector).
+    packed = block["runs"]["pactrain-0.8"]
+    assert packed["density"] == pytest.approx(0.2, abs=0.01)
+    assert packed["bytes_per_step"] < 0.35 * dense["bytes_per_step"]
+    assert block["runs"]["dense-fp16"]["bytes_per_step"] < 0.55 * dense["bytes_per_step"]
+
+    sweep = report["ratio_sweep"]
+    assert [p["ratio"] for p in sweep["points"]] == [0.0, 0.8]
+    # Both points reuse the runs above: ratio 0 is the dense run, 0.8 the PacTrain one.
+    assert [p["label"] for p in sweep["points"]] == ["dense-fp32", "pactrain-0.8"]
+    assert sweep["points"][1]["final_accuracy"] == packed["final_accuracy"]
+
+    assert set(report["plots"]) == {"accuracy_vs_time", "tta_speedup", "step_breakdown",
+                                    "accuracy_vs_ratio"}
+    for path in report["plots"].values():
+        data = Path(path).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# --- calibration refusal -------------------------------------------------------------------
+
+def _testbed_skip_reason():
+    if os.geteuid() != 0:
+        return "the test bed needs root"
+    probe = f"pacmpi-probe-{os.getpid()}"
+    try:
+        done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                              timeout=30)
+    except FileNotFoundError:
+        return "iproute2's ip is not installed"
+    if done.returncode != 0:
+        return f"`ip netns add` failed here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+_SKIP = _testbed_skip_reason()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+def test_failed_calibration_refuses_the_rate(tmp_path, cache_dir, capsys):
+    # Tolerance 0: no measured link is ever exactly nominal, so calibration must refuse.
+    out = tmp_path / "results"
+    code = main(["--rates", "100mbit", "--methods", "dense-fp32,pactrain-0.8",
+                 "--sweep-ratios", "", "--tolerance", "0", "--out-dir", str(out),
+                 "--cache-dir", str(cache_dir), *TINY])
+    captured = capsys.readouterr()
+    assert code == 3
+    assert "REFUSED: calibration refused" in captured.out
+    assert "no results are reported for this rate" in captured.err
+    report = json.loads((out / "bench_train.json").read_text())
+    block = report["rates"]["100mbit"]
+    assert block["status"] == "refused" and block["runs"] == {}
+    assert block["target_accuracy"] is None
+    (calibration,) = block["calibration"]  # refused at the first run; nothing else ran
+    assert calibration["nominal_bps"] == 100_000_000 and calibration["tolerance"] == 0.0
+    assert math.isfinite(calibration["ratio"]) and calibration["ratio"] != 1.0
+    assert report["ratio_sweep"] is None and report["plots"] == {}
