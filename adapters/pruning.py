@@ -7,7 +7,8 @@ This module provides the pieces that make that possible:
 
 * :func:`prune` -- magnitude or GraSP pruning, global or per-layer, returning bool masks
   keyed by parameter name (``True`` = kept). With ``comm=`` the decision is taken on
-  rank 0 and broadcast, so every rank ends with bit-identical masks.
+  rank 0 and broadcast, so every rank ends with bit-identical masks (``collectives=``: the
+  same over any :class:`pacmpi.Collectives`, e.g. Horovod's).
 * :class:`GradualPruningSchedule` -- prune to increasing ratios at given steps; masks
   only ever become sparser.
 * :class:`MaskEnforcer` -- masks gradients, weights and optimizer state so pruned
@@ -317,34 +318,34 @@ def _unpack(buffer: np.ndarray, slots: Mapping[str, _Slot]) -> OrderedDict[str, 
     )
 
 
-def _decide_on_root(comm, slots, decide: Callable[[], OrderedDict[str, torch.Tensor]]):
+def _decide_on_root(collectives, slots, decide: Callable[[], OrderedDict[str, torch.Tensor]]):
     """Run ``decide`` on rank 0 only and broadcast its masks as packed bits.
 
-    A header (parameter layout + rank-0 error, if any) is broadcast first and agreement is
-    checked with an ``allgather``, so a failure on rank 0 or a model mismatch raises on
-    every rank instead of leaving the others blocked in ``Bcast``.
+    Every rank's parameter layout and rank 0's error, if any, are all-gathered first, so a
+    failure on rank 0 or a model mismatch raises on every rank instead of leaving the others
+    blocked in the broadcast.
     """
     layout = [(name, tuple(slot.param.shape)) for name, slot in slots.items()]
     masks, error = None, None
-    if comm.Get_rank() == 0:
+    if collectives.rank == 0:
         try:
             masks = decide()
         except Exception as exc:  # re-raised below, after the other ranks were told
             error = exc
-    root_layout, root_error = comm.bcast((layout, None if error is None else repr(error)), root=0)
-    same_layout = root_layout == layout
-    if not all(comm.allgather(same_layout)) or root_error is not None:
+    headers = collectives.allgather_object((layout, None if error is None else repr(error)))
+    root_error = headers[0][1]
+    differing = [rank for rank, (other, _) in enumerate(headers) if other != headers[0][0]]
+    if differing or root_error is not None:
         if error is not None:
             raise error
         if root_error is not None:
             raise RuntimeError(f"pruning failed on rank 0: {root_error}")
-        raise ValueError(
-            f"prunable parameters differ across ranks (rank {comm.Get_rank()}"
-            f"{' differs from rank 0' if not same_layout else ' matches rank 0'})"
-        )
+        here = "differs from" if collectives.rank in differing else "matches"
+        raise ValueError(f"prunable parameters differ across ranks: ranks {differing} differ "
+                         f"from rank 0 (rank {collectives.rank} {here} rank 0)")
     n_bytes = (sum(slot.param.numel() for slot in slots.values()) + 7) // 8
     buffer = _pack(masks) if masks is not None else np.empty(n_bytes, dtype=np.uint8)
-    comm.Bcast(buffer, root=0)
+    collectives.bcast(buffer, root=0)
     return _unpack(buffer, slots)
 
 
@@ -374,6 +375,7 @@ def prune(
     grasp_temperature: float = 200.0,
     current_masks: Optional[Mapping[str, torch.Tensor]] = None,
     comm=None,
+    collectives=None,
 ) -> OrderedDict[str, torch.Tensor]:
     """Unstructured pruning in place; returns bool keep-masks keyed by logical name.
 
@@ -398,8 +400,10 @@ def prune(
             ``torch.nn.utils.prune`` masks (``weight_mask``) are always honoured the same way
             and are updated in place.
         comm: optional mpi4py communicator. When given, rank 0 decides and broadcasts the
-            masks (packed bits, ``comm.Bcast``) so all ranks end bit-identical even when
-            GraSP sees different local data. Collective: call on every rank.
+            masks (packed bits) so all ranks end bit-identical even when GraSP sees different
+            local data. Collective: call on every rank.
+        collectives: instead of ``comm``, any :class:`pacmpi.Collectives` transport (e.g.
+            Horovod's, where there is no MPI world); same rank-0 decision and broadcast.
     """
     ratio = _check_ratio(ratio)
     _check_choice("method", method, METHODS)
@@ -419,7 +423,13 @@ def prune(
     def decide():
         return _decide(model, slots, ratio, method, scope, previous, grasp_args)
 
-    masks = decide() if comm is None else _decide_on_root(comm, slots, decide)
+    if comm is None and collectives is None:
+        masks = decide()
+    else:
+        # Imported here: torch_sync imports this module, and local pruning needs no MPI.
+        from pacmpi.adapters.torch_sync import transport
+
+        masks = _decide_on_root(transport(comm, collectives), slots, decide)
     _apply(slots, masks)
     return masks
 
@@ -492,11 +502,13 @@ class GradualPruningSchedule:
         data: Optional[Iterable] = None,
         loss_fn=None,
         comm=None,
+        collectives=None,
     ) -> Optional[OrderedDict[str, torch.Tensor]]:
         """Prune if a milestone is due at ``step_index``; return the new masks, else None.
 
         If several milestones were skipped (e.g. after resuming), the latest due one is
-        applied once. Collective when ``comm`` is given: call on every rank every step.
+        applied once. Collective when ``comm`` or ``collectives`` is given (see :func:`prune`):
+        call on every rank every step.
         """
         due = [i for i in range(self._next, len(self.milestones)) if self.milestones[i][0] <= step_index]
         if not due:
@@ -513,6 +525,7 @@ class GradualPruningSchedule:
             loss_fn=loss_fn,
             current_masks=self.masks,
             comm=comm,
+            collectives=collectives,
             **self._grasp,
         )
         return self.masks

@@ -25,11 +25,11 @@ import warnings
 import numpy as np
 import torch
 
-from pacmpi import DEFAULT_BUCKET_BYTES, MPICollectives, PacTrainReducer
+from pacmpi import DEFAULT_BUCKET_BYTES, Collectives, MPICollectives, PacTrainReducer
 from pacmpi.adapters.pruning import mask_fingerprint
 
-__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "broadcast_optimizer_state",
-           "broadcast_parameters", "make_sync"]
+__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "barrier", "broadcast_object",
+           "broadcast_optimizer_state", "broadcast_parameters", "make_sync", "transport"]
 
 METHODS = ("dense", "fp16", "pactrain", "pactrain-ternary", "topk")
 # method -> (masks go to the reducer, quantize)
@@ -56,8 +56,20 @@ def _numpy_dtype(torch_dtype):
     return torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
-def _collectives(comm):
-    """A transport on ``comm`` itself (``COMM_WORLD`` by default), without duplicating it."""
+def transport(comm=None, collectives=None):
+    """The :class:`pacmpi.Collectives` that a helper taking ``comm=`` / ``collectives=`` runs on.
+
+    ``collectives`` (any transport, e.g. :class:`pacmpi.adapters.horovod.HorovodCollectives`)
+    is used as it is; so is a ``Collectives`` passed as ``comm``. An mpi4py communicator is
+    wrapped as it stands, without duplicating it; neither given: ``COMM_WORLD``. Passing both
+    is an error, since they could name different process groups.
+    """
+    if comm is not None and collectives is not None:
+        raise ValueError("pass comm= or collectives=, not both")
+    if collectives is not None:
+        return collectives
+    if isinstance(comm, Collectives):
+        return comm
     if comm is None:
         from mpi4py import MPI
 
@@ -66,6 +78,18 @@ def _collectives(comm):
 
 
 # ---------------------------------------------------------------------------------- broadcasts
+def barrier(collectives):
+    """Block until every rank of ``collectives`` arrives: a one-element all-reduce, which any
+    transport has (MPI's or Horovod's). Collective."""
+    collectives.allreduce(np.zeros(1, dtype=np.int64), "max")
+
+
+def broadcast_object(collectives, obj, root=0):
+    """``root``'s ``obj`` (any picklable value) on every rank; the others pass anything, e.g.
+    ``None``. Collective; one object all-gather, so keep ``obj`` small on non-root ranks."""
+    return collectives.allgather_object(obj if collectives.rank == root else None)[root]
+
+
 def _bcast_tensor(collectives, tensor, root):
     with torch.no_grad():
         staged = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -75,28 +99,30 @@ def _bcast_tensor(collectives, tensor, root):
             tensor.copy_(staged)
 
 
-def broadcast_parameters(model, *, comm=None, root=0, buffers=True):
+def broadcast_parameters(model, *, comm=None, root=0, buffers=True, collectives=None):
     """Copy ``root``'s parameters (and, with ``buffers``, BatchNorm statistics and other buffers)
-    into every rank's ``model`` in place. Collective."""
-    collectives = _collectives(comm)
+    into every rank's ``model`` in place. Collective over ``comm`` (mpi4py, default
+    ``COMM_WORLD``) or ``collectives`` (any :class:`pacmpi.Collectives`), see :func:`transport`."""
+    collectives = transport(comm, collectives)
     tensors = list(model.parameters()) + (list(model.buffers()) if buffers else [])
     for tensor in tensors:
         _bcast_tensor(collectives, tensor, root)
 
 
-def broadcast_optimizer_state(optimizer, *, comm=None, root=0):
+def broadcast_optimizer_state(optimizer, *, comm=None, root=0, collectives=None):
     """Make every rank's optimizer state (momentum, Adam moments, step counts, hyper-parameters)
-    ``root``'s. Collective; the state travels pickled, so keep it to optimizers of small models
-    or call it once after loading a checkpoint."""
+    ``root``'s. Collective over ``comm`` or ``collectives`` (see :func:`transport`); the state
+    travels pickled, so keep it to optimizers of small models or call it once after loading a
+    checkpoint."""
     import io
 
-    collectives = _collectives(comm)
+    collectives = transport(comm, collectives)
     payload = None
     if collectives.rank == root:
         buffer = io.BytesIO()
         torch.save(optimizer.state_dict(), buffer)
         payload = buffer.getvalue()
-    payload = collectives.comm.bcast(payload, root=root)
+    payload = broadcast_object(collectives, payload, root=root)
     if collectives.rank != root:
         optimizer.load_state_dict(torch.load(io.BytesIO(payload), map_location="cpu",
                                              weights_only=False))
