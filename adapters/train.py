@@ -7,7 +7,13 @@ broadcasts the masks) or follow a ``--gradual`` schedule; (4) fine-tune with gra
 enforcement (:class:`~pacmpi.adapters.pruning.MaskEnforcer`) and the chosen gradient
 synchronization (``--method``); (5) after every epoch broadcast rank 0's BatchNorm statistics and
 report test accuracy, the step-time split (compute / pack / communication / unpack), bytes sent
-and dense fallbacks. Run it under ``mpirun -n 4 pacmpi train ...``.
+and dense fallbacks. Run it under ``mpirun -n 4 pacmpi train ...``, or with ``--backend horovod``
+under ``horovodrun -np 4`` (Gloo or MPI controller) or ``mpirun -n 4``.
+
+Every collective of the job (weight and mask broadcasts, evaluation sums, barriers, the gradient
+synchronization) runs on one :class:`pacmpi.Collectives` (:func:`collectives_for`): MPI's
+``COMM_WORLD`` for ``--backend mpi``, Horovod's process set for ``--backend horovod``, so the job
+needs no MPI world there.
 
 All methods fine-tune the *same pruned model*: ``--method dense`` is the plain all-reduce
 baseline, so its accuracy is what PacTrain (lossless) must match.
@@ -22,16 +28,20 @@ import time
 import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pacmpi import MPICollectives
 from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkpoint
 from pacmpi.adapters.data import iterate_minibatches, load_cifar10, load_digits_split, shard
 from pacmpi.adapters.models import build_model, count_parameters
 from pacmpi.adapters.pruning import GradualPruningSchedule, MaskEnforcer, prune
-from pacmpi.adapters.torch_sync import METHODS, broadcast_parameters, make_sync
+from pacmpi.adapters.torch_sync import (METHODS, barrier, broadcast_object, broadcast_parameters,
+                                        make_sync)
 
-__all__ = ["TrainConfig", "build_parser", "main", "parse_gradual", "run"]
+__all__ = ["TrainConfig", "build_parser", "collectives_for", "fine_tune", "main", "parse_gradual",
+           "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("mpi", "horovod")
@@ -69,7 +79,7 @@ class TrainConfig:
     checkpoint_every: int = 0          # steps; 0 = at the end of every epoch
     resume: bool = False
     max_steps: int = 0                 # stop after this many fine-tuning steps (0 = no limit)
-    backend: str = "mpi"
+    backend: str = "mpi"               # mpi | horovod (no topk, no checkpoints)
     json: Optional[str] = None
     progress: bool = True
 
@@ -100,7 +110,12 @@ def _config(config):
               (cfg.backend in BACKENDS, f"backend must be one of {BACKENDS}"),
               (cfg.dataset in ("digits", "cifar10"), "dataset must be digits or cifar10"),
               (cfg.dataset != "cifar10" or cfg.data_dir, "--dataset cifar10 needs --data-dir"),
-              (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint")]
+              (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint"),
+              (cfg.backend != "horovod" or cfg.method != "topk",
+               "--backend horovod supports --method dense|fp16|pactrain|pactrain-ternary; "
+               "run --method topk with --backend mpi"),
+              (cfg.backend != "horovod" or not cfg.checkpoint,
+               "--backend horovod does not support --checkpoint/--resume; use --backend mpi")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -133,23 +148,29 @@ def _optimizer(cfg, params, lr):
 
 
 @torch.no_grad()
-def _evaluate(model, data, rank=0, size=1, comm=None):
-    """Test accuracy over the whole test set, each rank of ``comm`` scoring every ``size``-th
-    sample (``comm=None``: this process scores all of it)."""
+def _evaluate(model, data, collectives=None):
+    """Test accuracy over the whole test set, each rank of ``collectives`` scoring every
+    ``size``-th sample (``None``: this process scores all of it)."""
+    rank, size = (0, 1) if collectives is None else (collectives.rank, collectives.size)
     model.eval()
     x, y = data.x_test[rank::size], data.y_test[rank::size]
     correct = sum(int((model(xb).argmax(1) == yb).sum())
                   for xb, yb in iterate_minibatches(x, y, 512, seed=0, epoch=0, shuffle=False))
     model.train()
-    if comm is None:
-        return correct / len(y)
-    return comm.allreduce(correct) / comm.allreduce(len(y))
+    counts = np.array([correct, len(y)], dtype=np.int64)
+    if collectives is not None:
+        collectives.allreduce(counts, "sum")
+    return int(counts[0]) / int(counts[1])
 
 
-def _wait_quietly(comm):
-    """Block until every rank arrives, sleeping instead of busy-polling (frees the cores for
-    rank 0 while it pretrains)."""
-    request = comm.Ibarrier()
+def _wait_quietly(collectives):
+    """Block until every rank arrives without taking the cores from rank 0 while it pretrains:
+    over MPI, poll a nonblocking barrier and sleep in between (MPI's blocking wait spins);
+    Horovod's background thread already sleeps between its cycles."""
+    if not isinstance(collectives, MPICollectives):
+        barrier(collectives)
+        return
+    request = collectives.comm.Ibarrier()
     while not request.Test():
         time.sleep(0.02)
 
@@ -167,11 +188,11 @@ def _pretrain(cfg, data, kwargs):
     return model
 
 
-def _pretrained_state(cfg, data, kwargs, comm):
+def _pretrained_state(cfg, data, kwargs, collectives):
     """Rank 0 loads the cache (if its model matches) or pretrains and writes it; returns
     ``(state_dict or None on other ranks, dense test accuracy)``."""
     state, accuracy, error = None, None, None
-    if comm.rank == 0:
+    if collectives.rank == 0:
         try:
             key = {"dataset": cfg.dataset, "model": cfg.model, "kwargs": kwargs,
                    "pretrain_epochs": cfg.pretrain_epochs, "seed": cfg.seed}
@@ -189,9 +210,9 @@ def _pretrained_state(cfg, data, kwargs, comm):
             state, accuracy = cached["state"], cached["accuracy"]
         except (OSError, ValueError, KeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-    if comm.size > 1:
-        _wait_quietly(comm)
-        error, accuracy = comm.bcast((error, accuracy), root=0)
+    if collectives.size > 1:
+        _wait_quietly(collectives)
+        error, accuracy = broadcast_object(collectives, (error, accuracy))
     if error is not None:
         raise RuntimeError(f"pretraining on rank 0 failed: {error}")
     return state, accuracy
@@ -205,6 +226,32 @@ def _state_digest(model):
     return digest.hexdigest()
 
 
+def _horovod():
+    """``(horovod.torch, pacmpi.adapters.horovod)``, or a clear error if Horovod is missing."""
+    try:
+        import horovod.torch as hvd
+
+        from pacmpi.adapters import horovod as adapter
+    except ImportError as exc:
+        raise RuntimeError(f"--backend horovod needs horovod.torch (pip install "
+                           f"pacmpi[horovod]) and pacmpi.adapters.horovod: {exc}") from exc
+    return hvd, adapter
+
+
+def collectives_for(backend):
+    """The transport every collective of the job runs on: for ``"mpi"`` an
+    :class:`pacmpi.MPICollectives` on a duplicate of ``COMM_WORLD``; for ``"horovod"``
+    ``hvd.init()`` and a :class:`pacmpi.adapters.horovod.HorovodCollectives` (works under
+    ``horovodrun --gloo``, where there is no MPI world, and under ``mpirun``). Collective."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "mpi":
+        return MPICollectives()
+    hvd, adapter = _horovod()
+    hvd.init()
+    return adapter.HorovodCollectives()
+
+
 class _HorovodSync:
     """``--backend horovod``: ``hvd.DistributedOptimizer`` with
     :class:`pacmpi.adapters.horovod.PacTrainCompressor` (pactrain, pactrain-ternary) or Horovod's
@@ -212,26 +259,17 @@ class _HorovodSync:
 
     Horovod packs and reduces inside ``optimizer.step()``, so the step split is coarser than
     with MPI: ``comm_seconds`` is the whole synchronization (pack + all-reduce + unpack).
-    Checkpoints and TopK are MPI-backend only.
+    Checkpoints and TopK are MPI-backend only (:func:`_config` refuses them). Needs
+    ``hvd.init()`` first (:func:`collectives_for`).
     """
 
     def __init__(self, cfg, model, optimizer, masks, enforcer):
-        try:
-            import horovod.torch as hvd
-
-            from pacmpi.adapters.horovod import PacTrainCompressor
-        except ImportError as exc:
-            raise RuntimeError(f"--backend horovod needs horovod.torch (pip install "
-                               f"pacmpi[horovod]) and pacmpi.adapters.horovod: {exc}") from exc
-        if cfg.method == "topk" or cfg.checkpoint:
-            raise ValueError("--backend horovod supports --method dense|fp16|pactrain|"
-                             "pactrain-ternary and no --checkpoint")
-        hvd.init()
+        hvd, adapter = _horovod()
         self.masks = masks  # the compressor re-reads these tensors: update them in place
         op = hvd.Average
         if cfg.method.startswith("pactrain"):
             ternary = cfg.method == "pactrain-ternary"
-            self.compressor = PacTrainCompressor(
+            self.compressor = adapter.PacTrainCompressor(
                 model, masks, quantize="ternary" if ternary else None, average=ternary,
                 stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
             compression, op = self.compressor, (hvd.Sum if ternary else hvd.Average)
@@ -300,9 +338,10 @@ class _StepLog:
 
 
 # ---------------------------------------------------------------------------------- run
-def run(config) -> dict:
+def run(config, collectives=None) -> dict:
     """Fine-tune as configured (a :class:`TrainConfig`, dict or argparse namespace) on every rank
-    of ``COMM_WORLD``; returns the same result dict on every rank:
+    of ``collectives`` (default :func:`collectives_for` the configured backend: ``COMM_WORLD``
+    or Horovod's ranks); returns the same result dict on every rank:
 
     ``epochs`` (per epoch: ``wall_seconds`` since fine-tuning began, ``test_accuracy``,
     ``train_loss`` and the epoch's step summary), ``final_accuracy``, ``pretrained_accuracy``,
@@ -310,28 +349,33 @@ def run(config) -> dict:
     the compute / pack / comm / unpack split, ``bytes_sent``), ``summary`` (averages over the
     run), ``state_sha256`` (digest of the final model, equal on every rank).
     """
-    from mpi4py import MPI
+    return fine_tune(config, collectives)[1]
 
+
+def fine_tune(config, collectives=None):
+    """:func:`run`, returning ``(model, result)``: the fine-tuned model as well (identical on
+    every rank; pruned weights exactly zero)."""
     cfg = _config(config)
-    comm = MPI.COMM_WORLD
-    rank, size = comm.rank, comm.size
+    if collectives is None:
+        collectives = collectives_for(cfg.backend)
+    rank, size = collectives.rank, collectives.size
     data = _load_data(cfg)
     kwargs = _model_kwargs(cfg, data)
-    state, pretrained_accuracy = _pretrained_state(cfg, data, kwargs, comm)
+    state, pretrained_accuracy = _pretrained_state(cfg, data, kwargs, collectives)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // size))
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, **kwargs)
     if rank == 0:
         model.load_state_dict(state)
-    broadcast_parameters(model, comm=comm)
+    broadcast_parameters(model, collectives=collectives)
     model.train()
 
     x_train, y_train = shard((data.x_train, data.y_train), rank, size)
     # One local batch for GraSP's gradient statistics (rank 0's decides; magnitude ignores it).
     grasp_data = [next(iterate_minibatches(x_train, y_train, cfg.batch_size, seed=cfg.seed + 1,
                                            epoch=0))]
-    prune_args = {"method": cfg.prune_method, "data": grasp_data, "comm": comm}
+    prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives}
     milestones = parse_gradual(cfg.gradual) if cfg.gradual else None
     masks = prune(model, 0.0 if milestones else cfg.ratio, **prune_args)
     enforcer = MaskEnforcer(model, masks)
@@ -341,11 +385,13 @@ def run(config) -> dict:
         sync = _HorovodSync(cfg, model, optimizer, enforcer.masks, enforcer)
         optimizer = sync.optimizer
     else:
-        sync_kwargs = ({} if cfg.method == "topk" else
-                       {"bucket_bytes": cfg.bucket_bytes, "verify_every": cfg.verify_every,
-                        "stable_steps": cfg.stable_steps, "seed": cfg.seed})
-        sync = make_sync(model, cfg.method, comm=comm.Dup(), masks=masks,
-                         topk_ratio=cfg.topk_ratio, **sync_kwargs)
+        # TopK all-gathers through mpi4py itself (--backend mpi only, see _config).
+        sync_kwargs = ({"comm": collectives.comm} if cfg.method == "topk" else
+                       {"collectives": collectives, "bucket_bytes": cfg.bucket_bytes,
+                        "verify_every": cfg.verify_every, "stable_steps": cfg.stable_steps,
+                        "seed": cfg.seed})
+        sync = make_sync(model, cfg.method, masks=masks, topk_ratio=cfg.topk_ratio,
+                         **sync_kwargs)
         sync.attach(optimizer)
     enforcer.attach(optimizer)
 
@@ -382,7 +428,7 @@ def run(config) -> dict:
         for b in range(skip, len(batches)):
             xb, yb = batches[b]
             if schedule is not None:
-                new = schedule.step(model, step, data=grasp_data, comm=comm)
+                new = schedule.step(model, step, data=grasp_data, collectives=collectives)
                 if new is not None:
                     enforcer.update(new)
                     sync.update_masks(new)
@@ -413,8 +459,9 @@ def run(config) -> dict:
         skip = 0
         if stopped:
             break
-        broadcast_parameters(model, comm=comm)  # rank 0's BatchNorm statistics for everyone
-        accuracy = _evaluate(model, data, rank, size, comm)
+        # rank 0's BatchNorm statistics for everyone
+        broadcast_parameters(model, collectives=collectives)
+        accuracy = _evaluate(model, data, collectives)
         records.append({"epoch": epoch, "wall_seconds": elapsed + time.perf_counter() - started,
                         "test_accuracy": accuracy,
                         "train_loss": sum(losses) / max(1, len(losses)),
@@ -427,7 +474,7 @@ def run(config) -> dict:
             break
 
     density = enforcer.density()
-    return {
+    return model, {
         "config": dataclasses.asdict(cfg),
         "world_size": size,
         "parameters": count_parameters(model),
@@ -504,10 +551,10 @@ def _print_summary(result):
 def main(argv=None):
     """Entry point of ``pacmpi train``; prints a summary on rank 0 and writes ``--json``."""
     args = build_parser().parse_args(argv)
-    result = run(args)
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.rank == 0:
+    cfg = _config(args)
+    collectives = collectives_for(cfg.backend)
+    result = run(cfg, collectives)
+    if collectives.rank == 0:
         _print_summary(result)
         if args.json:
             with open(args.json, "w") as f:

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["MPI_SCRIPTS", "mpirun_argv", "run_mpi"]
+__all__ = ["MPI_SCRIPTS", "mpirun_argv", "run_bounded", "run_mpi", "run_horovod_gloo",
+           "testbed_skip_reason"]
 
 MPI_SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
@@ -23,21 +24,59 @@ def mpirun_argv(n):
     return argv
 
 
-def run_mpi(script, n, *args, timeout=120, env=None):
-    """Run ``tests/mpi_scripts/<script>`` on ``n`` ranks; returns the CompletedProcess."""
-    path = MPI_SCRIPTS / script if not os.path.isabs(script) else Path(script)
-    merged = dict(os.environ, PYTHONUNBUFFERED="1", OMPI_MCA_rmaps_base_oversubscribe="1")
-    merged.update(env or {})
-    argv = mpirun_argv(n) + [sys.executable, str(path), *map(str, args)]
-    # A session of its own, so a timeout kills mpirun and every rank, not mpirun alone.
+def run_bounded(argv, *, timeout, env, what):
+    """Run ``argv`` in a session of its own, so a timeout kills the launcher and every rank."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=merged, start_new_session=True)
+                            env=env, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise AssertionError(
-            f"{script} on {n} ranks did not finish within {timeout}s (hang?)\n"
-            f"stdout: {stdout}\nstderr: {stderr}") from None
+        raise AssertionError(f"{what} did not finish within {timeout}s (hang?)\n"
+                             f"stdout: {stdout}\nstderr: {stderr}") from None
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def _script_path(script):
+    return MPI_SCRIPTS / script if not os.path.isabs(script) else Path(script)
+
+
+def _environment(extra):
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(script, n, *args, timeout=120, env=None):
+    """Run ``tests/mpi_scripts/<script>`` on ``n`` ranks; returns the CompletedProcess."""
+    argv = mpirun_argv(n) + [sys.executable, str(_script_path(script)), *map(str, args)]
+    return run_bounded(argv, timeout=timeout, env=_environment(env),
+                       what=f"{script} on {n} ranks")
+
+
+def run_horovod_gloo(script, n, *args, timeout=120, env=None):
+    """Run ``tests/mpi_scripts/<script>`` under ``horovodrun --gloo`` on ``n`` local ranks."""
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    argv = [str(horovodrun), "--gloo", "-np", str(n), "-H", f"localhost:{n}",
+            sys.executable, str(_script_path(script)), *map(str, args)]
+    return run_bounded(argv, timeout=timeout, env=_environment(env),
+                       what=f"{script} under horovodrun --gloo -np {n}")
+
+
+def testbed_skip_reason():
+    """Why the network-namespace test bed cannot run here, or ``None`` when it can."""
+    if os.geteuid() != 0:
+        return "the test bed needs root"
+    probe = f"pacmpi-probe-{os.getpid()}"
+    try:
+        done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                              timeout=30)
+    except FileNotFoundError:
+        return "iproute2's ip is not installed"
+    if done.returncode != 0:
+        return f"`ip netns add` failed here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None

@@ -4,16 +4,11 @@ Each scenario of tests/mpi_scripts/hvd_compressor.py runs under ``horovodrun --g
 controller) and under plain ``mpirun`` (``hvd.init()`` picks the MPI controller); a hang fails
 the test at its timeout, and every rank must report its outcome.
 """
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from mpi_util import MPI_SCRIPTS, run_mpi
+from mpi_util import run_horovod_gloo, run_mpi
 
 pytest.importorskip("horovod.torch")
 
@@ -22,27 +17,8 @@ RANKS = 2
 TIMEOUT = 120  # generous: ranks share 2 cores; a hang still fails
 
 
-def run_horovod_gloo(script, n, *args, timeout=TIMEOUT):
-    """``horovodrun --gloo`` on ``n`` local ranks, killed with its whole session on timeout."""
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    argv = [str(horovodrun), "--gloo", "-np", str(n), "-H", f"localhost:{n}",
-            sys.executable, str(MPI_SCRIPTS / script), *map(str, args)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{script} under horovodrun --gloo -np {n} did not finish within "
-                             f"{timeout}s (hang?)\nstdout: {stdout}\nstderr: {stderr}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-
-
 LAUNCHERS = {
-    "gloo": run_horovod_gloo,
+    "gloo": lambda script, n, *args: run_horovod_gloo(script, n, *args, timeout=TIMEOUT),
     "mpi": lambda script, n, *args: run_mpi(script, n, *args, timeout=TIMEOUT),
 }
 

@@ -17,6 +17,8 @@ from pacmpi.launch import (CalibrationError, LinkTestbed, MPIDetectionError, MPI
                            ring_allreduce_settings, run_command)
 from pacmpi.launch.cli import main
 
+from mpi_util import testbed_skip_reason
+
 PY = sys.executable
 OMPI5 = MPIFlavor("openmpi", (5, 0, 11), "mpirun")
 OMPI4 = MPIFlavor("openmpi", (4, 1, 5), "mpirun")
@@ -35,22 +37,7 @@ def netns_names():
     return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
 
 
-def _testbed_skip_reason():
-    if os.geteuid() != 0:
-        return "the test bed needs root"
-    probe = f"pacmpi-probe-{os.getpid()}"
-    try:
-        done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
-                              timeout=30)
-    except FileNotFoundError:
-        return "iproute2's ip is not installed"
-    if done.returncode != 0:
-        return f"`ip netns add` failed here: {done.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return None
-
-
-_SKIP = _testbed_skip_reason()
+_SKIP = testbed_skip_reason()
 needs_testbed = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
 

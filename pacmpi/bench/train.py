@@ -27,6 +27,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -227,10 +228,9 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
 
 
 def _pretrain(cfg, cache_dir, seed, timeout):
-    """Fill the pretrained-model cache once: a one-rank job (MPI singleton) with no fine-tuning
-    epochs pretrains, writes the cache and exits; later runs only load it."""
-    import subprocess
-
+    """Fill the pretrained-model cache once: a one-rank job (MPI singleton, no launcher) with no
+    fine-tuning epochs pretrains, writes the cache and exits. Every timed job then only loads
+    it, so no job pays for pretraining and all of them start from the same weights."""
     name = (f"pretrained_{cfg['model']}_w{cfg['width']}_h{str(cfg['hidden']).replace(',', '-')}"
             f"_e{cfg['pretrain_epochs']}_s{seed}.pt")
     path = Path(cache_dir) / name

@@ -5,7 +5,6 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-import pacmpi
 from pacmpi import LayoutMismatchError, MaskMismatchError, PacTrainReducer, RankInputError
 from pacmpi.arrays import supported_float_dtypes
 from pacmpi.ternary import stochastic_ternary, ternary_key
