@@ -457,10 +457,10 @@ def fine_tune(config, collectives=None):
                 break
         bar.close()
         skip = 0
+        # rank 0's BatchNorm statistics for everyone, also when --max-steps stops mid-epoch
+        broadcast_parameters(model, collectives=collectives)
         if stopped:
             break
-        # rank 0's BatchNorm statistics for everyone
-        broadcast_parameters(model, collectives=collectives)
         accuracy = _evaluate(model, data, collectives)
         records.append({"epoch": epoch, "wall_seconds": elapsed + time.perf_counter() - started,
                         "test_accuracy": accuracy,

@@ -77,7 +77,8 @@ class BucketLayout:
         for index, (shape, dtype) in enumerate(zip(shapes, dtypes)):
             size = int(np.prod(shape, dtype=np.int64))
             run = open_runs.get(dtype)
-            if run is not None and run["size"] and (run["size"] + size) * dtype.itemsize > bucket_bytes:
+            overflows = run is not None and (run["size"] + size) * dtype.itemsize > bucket_bytes
+            if overflows and run["size"]:
                 closed.append(run)
                 run = None
             if run is None:

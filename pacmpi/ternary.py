@@ -34,7 +34,8 @@ class TernaryCodec:
         if not isinstance(world_size, (int, np.integer)) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if word_dtype not in _WORD_DTYPES:
-            raise ValueError(f"word_dtype must be one of {sorted(_WORD_DTYPES)}, got {word_dtype!r}")
+            raise ValueError(
+                f"word_dtype must be one of {sorted(_WORD_DTYPES)}, got {word_dtype!r}")
         self.world_size = int(world_size)
         self.word_dtype = np.dtype(_WORD_DTYPES[word_dtype])
         self.base = 2 * self.world_size + 1

@@ -58,4 +58,5 @@ def raise_together(collectives, local_error):
     messages = collectives.allgather_object(message)
     errors = {rank: m for rank, m in enumerate(messages) if m is not None}
     text = "; ".join(f"rank {rank}: {m}" for rank, m in errors.items())
-    raise RankInputError(f"bad input on {len(errors)} rank(s): {text}", errors=errors) from local_error
+    raise RankInputError(f"bad input on {len(errors)} rank(s): {text}",
+                         errors=errors) from local_error
