@@ -28,6 +28,14 @@ _COUNTERS = ("steps", "verifications", "bytes_sent", "dense_elements_equivalent"
              "unpack_seconds")
 
 
+def _module_of(array, what):
+    """``array_module(array)``, with ``what`` (e.g. "mask 3") named in the error."""
+    try:
+        return array_module(array)
+    except TypeError as exc:
+        raise TypeError(f"{what}: {exc}") from None
+
+
 class PacTrainReducer:
     """Sums (or averages) gradient lists over ranks, sending only the unpruned coordinates.
 
@@ -141,7 +149,7 @@ class PacTrainReducer:
         for i, mask in enumerate(masks):
             if mask is None:
                 continue
-            xp = array_module(mask)
+            xp = _module_of(mask, f"mask {i}")
             if mask.dtype != np.bool_:
                 if mask.dtype.kind not in "biuf":
                     raise TypeError(f"mask {i} has dtype {mask.dtype}; use bool or 0/1 values")
@@ -186,10 +194,7 @@ class PacTrainReducer:
             if g is None:
                 raise ValueError(f"gradient {i} is None; pass zeros for a parameter without "
                                  "a gradient so every rank reduces the same buffers")
-            try:
-                array_module(g)
-            except TypeError as exc:
-                raise TypeError(f"gradient {i}: {exc}") from None
+            _module_of(g, f"gradient {i}")
             if np.dtype(g.dtype) != dtype:
                 raise TypeError(f"gradient {i} has dtype {g.dtype}, expected {dtype}")
             on_device = is_device_array(g)
