@@ -19,7 +19,7 @@ bench-allreduce: setup
 	$(VENV)/bin/pacmpi-run -n $(RANKS) --oversubscribe -- $(PY) -m pacmpi.cli bench allreduce --json results/bench_allreduce.json
 
 bench-train: setup
-	$(VENV)/bin/pacmpi bench train --json results/bench_train.json
+	$(VENV)/bin/pacmpi bench train --out-dir results
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -28,8 +28,9 @@ import torch
 from pacmpi import DEFAULT_BUCKET_BYTES, Collectives, MPICollectives, PacTrainReducer
 from pacmpi.adapters.pruning import mask_fingerprint
 
-__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "barrier", "broadcast_object",
-           "broadcast_optimizer_state", "broadcast_parameters", "make_sync", "transport"]
+__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "barrier", "broadcast_buffers",
+           "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "make_sync",
+           "transport"]
 
 METHODS = ("dense", "fp16", "pactrain", "pactrain-ternary", "topk")
 # method -> (masks go to the reducer, quantize)
@@ -106,6 +107,16 @@ def broadcast_parameters(model, *, comm=None, root=0, buffers=True, collectives=
     collectives = transport(comm, collectives)
     tensors = list(model.parameters()) + (list(model.buffers()) if buffers else [])
     for tensor in tensors:
+        _bcast_tensor(collectives, tensor, root)
+
+
+def broadcast_buffers(model, *, comm=None, root=0, collectives=None):
+    """Copy ``root``'s buffers (BatchNorm running statistics) into every rank's ``model``.
+
+    Synchronized training keeps parameters identical on every rank, but each rank's BatchNorm
+    statistics follow its own data shard; this is the cheap sync before an evaluation."""
+    collectives = transport(comm, collectives)
+    for tensor in model.buffers():
         _bcast_tensor(collectives, tensor, root)
 
 

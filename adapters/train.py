@@ -37,11 +37,11 @@ from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkp
 from pacmpi.adapters.data import iterate_minibatches, load_cifar10, load_digits_split, shard
 from pacmpi.adapters.models import build_model, count_parameters
 from pacmpi.adapters.pruning import GradualPruningSchedule, MaskEnforcer, prune
-from pacmpi.adapters.torch_sync import (METHODS, barrier, broadcast_object, broadcast_parameters,
-                                        make_sync)
+from pacmpi.adapters.torch_sync import (METHODS, barrier, broadcast_buffers, broadcast_object,
+                                       broadcast_parameters, make_sync)
 
 __all__ = ["TrainConfig", "build_parser", "collectives_for", "fine_tune", "main", "parse_gradual",
-           "run"]
+           "parse_watchdog", "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("mpi", "horovod")
@@ -80,6 +80,7 @@ class TrainConfig:
     resume: bool = False
     max_steps: int = 0                 # stop after this many fine-tuning steps (0 = no limit)
     backend: str = "mpi"               # mpi | horovod (no topk, no checkpoints)
+    watchdog: Optional[str] = None     # "WARN[,ABORT]" seconds: name ranks stalled in a collective
     json: Optional[str] = None
     progress: bool = True
 
@@ -115,13 +116,28 @@ def _config(config):
                "--backend horovod supports --method dense|fp16|pactrain|pactrain-ternary; "
                "run --method topk with --backend mpi"),
               (cfg.backend != "horovod" or not cfg.checkpoint,
-               "--backend horovod does not support --checkpoint/--resume; use --backend mpi")]
+               "--backend horovod does not support --checkpoint/--resume; use --backend mpi"),
+              (cfg.backend != "horovod" or not cfg.watchdog,
+               "--watchdog watches MPI collectives; use it with --backend mpi")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if cfg.watchdog:
+        parse_watchdog(cfg.watchdog)
     if cfg.model is None:
         cfg.model = "cifar_cnn" if cfg.dataset == "cifar10" else "digits_cnn"
     return cfg
+
+
+def parse_watchdog(text):
+    """``"60"`` or ``"60,600"`` -> (warn_after, abort_after or None) in seconds."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or min(values) <= 0:
+        raise ValueError(f"--watchdog must be WARN or WARN,ABORT in seconds, got {text!r}")
+    return values[0], (values[1] if len(values) == 2 else None)
 
 
 # ---------------------------------------------------------------------------------- pieces
@@ -238,15 +254,20 @@ def _horovod():
     return hvd, adapter
 
 
-def collectives_for(backend):
+def collectives_for(backend, watchdog=None):
     """The transport every collective of the job runs on: for ``"mpi"`` an
-    :class:`pacmpi.MPICollectives` on a duplicate of ``COMM_WORLD``; for ``"horovod"``
+    :class:`pacmpi.MPICollectives` on a duplicate of ``COMM_WORLD`` (watched by a
+    :class:`pacmpi.watchdog.StallWatchdog` when ``watchdog`` is ``"WARN[,ABORT]"``); for ``"horovod"``
     ``hvd.init()`` and a :class:`pacmpi.adapters.horovod.HorovodCollectives` (works under
     ``horovodrun --gloo``, where there is no MPI world, and under ``mpirun``). Collective."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "mpi":
-        return MPICollectives()
+        if not watchdog:
+            return MPICollectives()
+        from pacmpi.watchdog import StallWatchdog
+
+        return MPICollectives(watchdog=StallWatchdog(*parse_watchdog(watchdog)))
     hvd, adapter = _horovod()
     hvd.init()
     return adapter.HorovodCollectives()
@@ -357,7 +378,7 @@ def fine_tune(config, collectives=None):
     every rank; pruned weights exactly zero)."""
     cfg = _config(config)
     if collectives is None:
-        collectives = collectives_for(cfg.backend)
+        collectives = collectives_for(cfg.backend, cfg.watchdog)
     rank, size = collectives.rank, collectives.size
     data = _load_data(cfg)
     kwargs = _model_kwargs(cfg, data)
@@ -458,7 +479,7 @@ def fine_tune(config, collectives=None):
         bar.close()
         skip = 0
         # rank 0's BatchNorm statistics for everyone, also when --max-steps stops mid-epoch
-        broadcast_parameters(model, collectives=collectives)
+        broadcast_buffers(model, collectives=collectives)
         if stopped:
             break
         accuracy = _evaluate(model, data, collectives)
@@ -552,7 +573,7 @@ def main(argv=None):
     """Entry point of ``pacmpi train``; prints a summary on rank 0 and writes ``--json``."""
     args = build_parser().parse_args(argv)
     cfg = _config(args)
-    collectives = collectives_for(cfg.backend)
+    collectives = collectives_for(cfg.backend, cfg.watchdog)
     result = run(cfg, collectives)
     if collectives.rank == 0:
         _print_summary(result)

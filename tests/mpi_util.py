@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["MPI_SCRIPTS", "mpirun_argv", "run_bounded", "run_mpi", "run_horovod_gloo",
-           "testbed_skip_reason"]
+           "netns_skip_reason"]
 
 MPI_SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
@@ -66,7 +66,7 @@ def run_horovod_gloo(script, n, *args, timeout=120, env=None):
                        what=f"{script} under horovodrun --gloo -np {n}")
 
 
-def testbed_skip_reason():
+def netns_skip_reason():
     """Why the network-namespace test bed cannot run here, or ``None`` when it can."""
     if os.geteuid() != 0:
         return "the test bed needs root"

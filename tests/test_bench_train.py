@@ -4,11 +4,11 @@ refusal of a rate whose calibration fails (skipped without root / network namesp
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpi_util import netns_skip_reason
 
 from pacmpi.bench.train import (MethodSpec, add_tta, main, parse_method, speedup,
                                 throughput_stats, time_to_accuracy)
@@ -102,6 +102,13 @@ def test_parse_method_labels_and_negative_controls():
             parse_method(bad)
 
 
+def test_help_lists_the_default_methods(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "topk-1%" in capsys.readouterr().out
+
+
 # --- end to end ----------------------------------------------------------------------------
 
 @pytest.mark.mpi
@@ -157,22 +164,7 @@ def test_quick_benchmark_writes_json_table_and_plots(tmp_path, cache_dir, capsys
 
 # --- calibration refusal -------------------------------------------------------------------
 
-def _testbed_skip_reason():
-    if os.geteuid() != 0:
-        return "the test bed needs root"
-    probe = f"pacmpi-probe-{os.getpid()}"
-    try:
-        done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
-                              timeout=30)
-    except FileNotFoundError:
-        return "iproute2's ip is not installed"
-    if done.returncode != 0:
-        return f"`ip netns add` failed here: {done.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return None
-
-
-_SKIP = _testbed_skip_reason()
+_SKIP = netns_skip_reason()
 
 
 @pytest.mark.mpi

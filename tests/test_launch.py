@@ -17,7 +17,7 @@ from pacmpi.launch import (CalibrationError, LinkTestbed, MPIDetectionError, MPI
                            ring_allreduce_settings, run_command)
 from pacmpi.launch.cli import main
 
-from mpi_util import testbed_skip_reason
+from mpi_util import netns_skip_reason
 
 PY = sys.executable
 OMPI5 = MPIFlavor("openmpi", (5, 0, 11), "mpirun")
@@ -37,7 +37,7 @@ def netns_names():
     return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
 
 
-_SKIP = testbed_skip_reason()
+_SKIP = netns_skip_reason()
 needs_testbed = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
 

@@ -51,3 +51,13 @@ def test_resumed_run_is_bit_identical(tmp_path):
     result = run_mpi("train_e2e.py", 2, "resume", tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK resume: bit-identical" in result.stdout, result.stdout + result.stderr
+
+
+def test_watchdog_option_is_parsed_and_validated():
+    from pacmpi.adapters.train import parse_watchdog
+
+    assert parse_watchdog("60") == (60.0, None)
+    assert parse_watchdog("60,600") == (60.0, 600.0)
+    for bad in ("abc", "0", "1,2,3", "-5"):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            parse_watchdog(bad)

@@ -36,7 +36,8 @@ from pathlib import Path
 __all__ = [
     "DEFAULT_METHODS", "DEFAULT_RATES", "DEFAULT_SWEEP", "MethodSpec", "parse_method",
     "time_to_accuracy", "speedup", "throughput_stats", "summarize_run", "add_tta",
-    "run_benchmark", "format_table", "write_plots", "build_parser", "main",
+    "tta_sensitivity", "derive", "run_benchmark", "format_table", "write_plots", "build_parser",
+    "main",
 ]
 
 DEFAULT_RATES = ("none", "100mbit", "1gbit")
@@ -44,6 +45,7 @@ DEFAULT_METHODS = ("dense-fp32", "dense-fp16", "topk-1%", "pactrain-0.5", "pactr
                    "pactrain-ternary-0.8")
 DEFAULT_SWEEP = (0.0, 0.5, 0.7, 0.8, 0.9)
 BASELINES = ("dense-fp32", "dense-fp16")
+SENSITIVITY_FRACTIONS = (0.95, 0.97, 0.98, 0.99)
 TRAIN_MODULE = "pacmpi.adapters.train"
 CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
 
@@ -214,6 +216,32 @@ def add_tta(runs, target_fraction, reference="dense-fp32", baselines=BASELINES):
     return target
 
 
+def tta_sensitivity(runs, fractions=SENSITIVITY_FRACTIONS, reference="dense-fp32"):
+    """``{fraction: {label: speedup vs reference}}`` for several target fractions: how much the
+    verdict depends on the target, which is coarse here (epoch-granular TTA, and one test
+    sample is 0.22% of the digits test set)."""
+    ref = runs.get(reference)
+    if not ref or ref.get("final_accuracy") is None:
+        return {}
+    table = {}
+    for fraction in fractions:
+        target = fraction * ref["final_accuracy"]
+        base, _ = time_to_accuracy(ref["curve"], target)
+        table[str(fraction)] = {label: speedup(base, time_to_accuracy(run["curve"], target)[0])
+                                for label, run in runs.items()}
+    return table
+
+
+def derive(report, target_fraction):
+    """(Re)compute every rate's target, TTA, speedups and sensitivity from the recorded curves,
+    in place (``--replot`` uses it to re-evaluate an earlier run at another target)."""
+    report["config"]["target_fraction"] = target_fraction
+    for block in report["rates"].values():
+        block["target_accuracy"] = add_tta(block["runs"], target_fraction)
+        block["tta_sensitivity"] = tta_sensitivity(block["runs"])
+    return report
+
+
 # ---------------------------------------------------------------------------------- running
 def _train_argv(cfg, spec, pretrained, json_path, seed):
     argv = [sys.executable, "-m", TRAIN_MODULE, "--model", cfg["model"],
@@ -348,13 +376,12 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     }
     with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
         for rate in rates:
-            block = _run_rate(cfg, specs, rate, pretrained, workdir, seed, tolerance, timeout,
-                              echo)
-            block["target_accuracy"] = add_tta(block["runs"], target_fraction)
-            report["rates"][rate] = block
+            report["rates"][rate] = _run_rate(cfg, specs, rate, pretrained, workdir, seed,
+                                              tolerance, timeout, echo)
         if sweep_ratios:
             report["ratio_sweep"] = _sweep(cfg, sweep_ratios, sweep_rate, report["rates"],
                                            pretrained, workdir, seed, tolerance, timeout, echo)
+    derive(report, target_fraction)
     if plots:
         report["plots"] = write_plots(report, out_dir)
     report["total_seconds"] = time.perf_counter() - started
@@ -424,6 +451,14 @@ def format_table(report):
                 f"{t['seconds'] * 1e3:>7.1f} {t['compute'] * 1e3:>6.1f} {t['pack'] * 1e3:>5.1f} "
                 f"{t['comm'] * 1e3:>6.1f} {t['unpack'] * 1e3:>5.1f} "
                 f"{run['bytes_per_step']:>11,.0f} {run['dense_fallbacks']:>3}")
+        sensitivity = block.get("tta_sensitivity") or {}
+        if sensitivity:
+            lines.append("  TTA speedup vs dense-fp32 by target ("
+                         + ", ".join(f"{float(f):.0%}" for f in sensitivity)
+                         + " of dense fp32 final):")
+            for label in block["runs"]:
+                lines.append(f"    {label:<22} " + " ".join(
+                    f"{_fmt(sensitivity[f][label], '6.2f', 'never'):>6}" for f in sensitivity))
         never = [label for label, run in block["runs"].items() if not run["reached_target"]]
         if never:
             lines.append(f"  never reached the target: {', '.join(never)}")
@@ -435,7 +470,8 @@ def format_table(report):
                      f"pretrained dense {_fmt(sweep['pretrained_accuracy'], '.4f')}) ==")
         for p in sweep["points"]:
             lines.append(f"  ratio {p['ratio']:.2f}: density {_fmt(p['density'], '.3f')}, final "
-                         f"{_fmt(p['final_accuracy'], '.4f')}, best {_fmt(p['best_accuracy'], '.4f')}")
+                         f"{_fmt(p['final_accuracy'], '.4f')}, "
+                         f"best {_fmt(p['best_accuracy'], '.4f')}")
     return "\n".join(lines)
 
 
@@ -480,6 +516,7 @@ def write_plots(report, out_dir):
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         width = 0.8 / max(1, len(methods))
+        missed = False
         for ax, base in zip(axes, BASELINES):
             key = "speedup_vs_" + base.replace("-", "_")
             for i, label in enumerate(methods):
@@ -493,6 +530,7 @@ def write_plots(report, out_dir):
                     elif label in block["runs"]:  # ran, but it or the baseline missed the target
                         ax.text(x, 0.02, "n/r", ha="center", va="bottom", fontsize=6,
                                 rotation=90)
+                        missed = True
                 bars = ax.bar(xs, ys, width, color=colors[label])
                 ax.bar_label(bars, fmt="%.2f", fontsize=6)
             ax.axhline(1.0, color="black", lw=0.8)
@@ -502,8 +540,9 @@ def write_plots(report, out_dir):
             ax.grid(axis="y", alpha=0.3)
         # Patches, not the bars: a method without any bar must still get its colour.
         axes[0].legend(handles=[Patch(color=colors[m], label=m) for m in methods], fontsize=7)
-        fig.text(0.5, 0.01, "n/r: the method (or the baseline) never reached the target",
-                 ha="center", fontsize=7)
+        if missed:
+            fig.text(0.5, 0.01, "n/r: the method (or the baseline) never reached the target",
+                     ha="center", fontsize=7)
         save(fig, "tta_speedup")
 
         parts = ("compute", "pack", "comm", "unpack", "verify", "optimizer")
@@ -513,7 +552,9 @@ def write_plots(report, out_dir):
             bottom = [0.0] * len(labels)
             for part in parts:
                 values = [block["runs"][m]["step_seconds"].get(part, 0.0) * 1e3 for m in labels]
-                ax.bar(range(len(labels)), values, bottom=bottom, label=part)
+                # The verification all-reduce is where ranks wait for the slowest one.
+                ax.bar(range(len(labels)), values, bottom=bottom,
+                       label="verify + sync wait" if part == "verify" else part)
                 bottom = [b + v for b, v in zip(bottom, values)]
             ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
             ax.set(title=f"link {rate}", ylabel="ms per step")
@@ -556,7 +597,8 @@ def build_parser(parser=None):
     parser.add_argument("--rates", type=_words, default=None,
                         help=f"link rates; 'none' = unshaped (default {','.join(DEFAULT_RATES)})")
     parser.add_argument("--methods", type=_words, default=DEFAULT_METHODS,
-                        help=f"method labels (default {','.join(DEFAULT_METHODS)})")
+                        help="method labels (default "  # argparse %-formats help texts
+                             + ",".join(DEFAULT_METHODS).replace("%", "%%") + ")")
     parser.add_argument("--sweep-ratios", type=_floats, default=None,
                         help="pruning ratios for accuracy vs ratio; '' = none "
                              f"(default {','.join(map(str, DEFAULT_SWEEP))})")
@@ -569,8 +611,9 @@ def build_parser(parser=None):
     parser.add_argument("--hidden", default=None)
     parser.add_argument("--baseline-ratio", type=float, default=0.0,
                         help="pruning ratio of the dense/fp16/TopK baselines (default 0)")
-    parser.add_argument("--target-fraction", type=float, default=0.98,
-                        help="TTA target as a fraction of dense fp32's final accuracy")
+    parser.add_argument("--target-fraction", type=float, default=None,
+                        help="TTA target as a fraction of dense fp32's final accuracy "
+                             "(default 0.98; with --replot, the earlier run's)")
     parser.add_argument("--tolerance", type=float, default=0.15,
                         help="refuse a rate whose calibration is this far off nominal")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per training job")
@@ -580,8 +623,9 @@ def build_parser(parser=None):
     parser.add_argument("--json", default=None, help="default OUT_DIR/bench_train.json")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--replot", metavar="JSON", default=None,
-                        help="only redraw the plots (into --out-dir) and print the table of an "
-                             "earlier run's JSON")
+                        help="recompute TTA and speedups from an earlier run's JSON (at "
+                             "--target-fraction), redraw its plots into --out-dir, print its "
+                             "table, and write it to --json if given")
     return parser
 
 
@@ -592,7 +636,11 @@ def main(argv=None):
     if args.replot:
         with open(args.replot) as f:
             report = json.load(f)
+        derive(report, args.target_fraction or report["config"]["target_fraction"])
         report["plots"] = write_plots(report, args.out_dir)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
         print(format_table(report))
         print(f"wrote {len(report['plots'])} plots to {args.out_dir}")
         return 0
@@ -606,7 +654,8 @@ def main(argv=None):
         rates=args.rates or default_rates, methods=args.methods,
         sweep_ratios=default_sweep if args.sweep_ratios is None else args.sweep_ratios,
         sweep_rate=args.sweep_rate, baseline_ratio=args.baseline_ratio,
-        target_fraction=args.target_fraction, tolerance=args.tolerance, timeout=args.timeout,
+        target_fraction=args.target_fraction or 0.98, tolerance=args.tolerance,
+        timeout=args.timeout,
         seed=args.seed, cache_dir=args.cache_dir, out_dir=args.out_dir, json_path=args.json,
         plots=not args.no_plots, **workload)
     print(format_table(report))
