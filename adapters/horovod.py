@@ -63,7 +63,7 @@ from pacmpi import Collectives, MaskTracker, TernaryCodec, stochastic_ternary
 from pacmpi.adapters.pruning import named_prunable_parameters
 from pacmpi.errors import LayoutMismatchError, MaskMismatchError
 from pacmpi.hashing import digest_ints, splitmix64_int
-from pacmpi.verify import agree, gather_details, offending_ranks, raise_together
+from pacmpi.verify import agree, gather_details, offending_ranks, raise_together, run_together
 
 __all__ = ["HorovodCollectives", "PacTrainCompressor"]
 
@@ -292,12 +292,7 @@ class PacTrainCompressor:
 
     def set_masks(self, masks):
         """Replace the mask mapping; takes effect at the next verification. Collective."""
-        error = None
-        try:
-            resolved = self._resolve(masks)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        raise_together(self.collectives, error)
+        resolved = run_together(self.collectives, self._resolve, masks)
         self._masks = resolved
 
     def _mask_keys(self, logical):
@@ -416,12 +411,8 @@ class PacTrainCompressor:
         the checkpoint's last verification (restore the masks first). Residuals are per-rank
         quantization errors: at another world size they are dropped, with a warning. Any step
         in progress is abandoned."""
-        error = restored = None
-        try:
-            restored = self._restored(state)
-        except (TypeError, ValueError, KeyError) as exc:
-            error = exc
-        raise_together(self.collectives, error)
+        restored = run_together(self.collectives, self._restored, state,
+                                errors=(TypeError, ValueError, KeyError))
         tracker, flats, residuals = restored
         if state["world_size"] != self.collectives.size and residuals:
             warnings.warn(f"PacTrainCompressor: resuming at world size {self.collectives.size} "

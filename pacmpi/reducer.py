@@ -11,7 +11,7 @@ from .errors import LayoutMismatchError, MaskMismatchError
 from .hashing import digest_ints
 from .ternary import TernaryCodec, stochastic_ternary, ternary_key
 from .tracker import MaskTracker
-from .verify import agree, gather_details, offending_ranks, raise_together
+from .verify import agree, gather_details, offending_ranks, raise_together, run_together
 
 __all__ = ["PacTrainReducer", "QUANTIZE_MODES", "MISMATCH_POLICIES"]
 
@@ -134,15 +134,13 @@ class PacTrainReducer:
 
     def set_masks(self, masks):
         """Replace the mask arrays (same count and shapes); a collective call."""
-        error = None
-        try:
-            checked = self._checked_masks(masks)
-            if self._layout is not None:
-                self._check_shapes(checked, "mask")
-        except (TypeError, ValueError) as exc:
-            error = exc
-        raise_together(self.collectives, error)
-        self._masks = checked
+        self._masks = run_together(self.collectives, self._masks_for_layout, masks)
+
+    def _masks_for_layout(self, masks):
+        checked = self._checked_masks(masks)
+        if self._layout is not None:
+            self._check_shapes(checked, "mask")
+        return checked
 
     def _checked_masks(self, masks):
         masks = list(masks)
@@ -544,12 +542,7 @@ class PacTrainReducer:
         match the checkpoint's fingerprints. Residuals are dropped when the world size changed
         (they are per-rank quantization errors) and the step resumes where it left off.
         """
-        error = None
-        try:
-            self._load(state)
-        except (TypeError, ValueError, KeyError) as exc:
-            error = exc
-        raise_together(self.collectives, error)
+        run_together(self.collectives, self._load, state, errors=(TypeError, ValueError, KeyError))
 
     def _load(self, state):
         if state["quantize"] != self.quantize:

@@ -7,7 +7,7 @@ import numpy as np
 
 from .errors import RankInputError
 
-__all__ = ["agree", "gather_details", "offending_ranks", "raise_together"]
+__all__ = ["agree", "gather_details", "offending_ranks", "raise_together", "run_together"]
 
 
 def agree(collectives, fields):
@@ -60,3 +60,15 @@ def raise_together(collectives, local_error):
     text = "; ".join(f"rank {rank}: {m}" for rank, m in errors.items())
     raise RankInputError(f"bad input on {len(errors)} rank(s): {text}",
                          errors=errors) from local_error
+
+
+def run_together(collectives, fn, *args, errors=(TypeError, ValueError)):
+    """Call ``fn(*args)`` on every rank; if it raises one of ``errors`` on any rank, raise
+    :class:`RankInputError` on all of them (see :func:`raise_together`). Returns fn's result."""
+    result = error = None
+    try:
+        result = fn(*args)
+    except errors as exc:
+        error = exc
+    raise_together(collectives, error)
+    return result

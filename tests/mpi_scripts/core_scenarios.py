@@ -210,6 +210,10 @@ def scenario_edges():
     expect_raise(RankInputError, lambda: PacTrainReducer(wrong_shape, shapes=SHAPES,
                                                          dtypes=[np.float32] * len(SHAPES)),
                  "rank 1: ValueError: mask 0 has shape (5, 17)")
+    red = PacTrainReducer(masks, shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
+    expect_raise(RankInputError, lambda: red.set_masks(wrong_shape),
+                 "rank 1: ValueError: mask 0 has shape (5, 17), expected (17, 5)")
+    red.set_masks(masks)
     expect_raise(RankInputError, lambda: PacTrainReducer(masks, on_mismatch="ignore"),
                  "on_mismatch must be one of", "'ignore'")
 
