@@ -3,7 +3,7 @@
 All state changes happen in :meth:`MaskTracker.commit`, which the reducer calls only with
 fingerprints that every rank has just agreed on, so every rank always takes the same path.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .hashing import mask_fingerprint
 
@@ -23,7 +23,6 @@ class BucketMaskState:
     stable_steps: int = 0
     mask: object = None
     indices: object = None
-    packed_since: int = field(default=None)
 
     @property
     def packed(self):
