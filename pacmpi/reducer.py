@@ -1,6 +1,7 @@
 """PacTrainReducer: mask-aware packed all-reduce of gradient lists, with mask tracking,
 cross-rank verification and optional fp16 or summable ternary quantization."""
 import time
+import warnings
 
 import numpy as np
 
@@ -110,7 +111,13 @@ class PacTrainReducer:
         self._step = 0
         self._residuals = {}
         self.stats = dict.fromkeys(_COUNTERS, 0)
+        self._clear_caches()
         self._reset_step()
+
+    def _clear_caches(self):
+        # Reusable flat/packed buffers and the last agreed mask snapshots with their
+        # fingerprints; both are rebuilt on demand, so they are not pickled.
+        self._buffers, self._snapshots = {}, {}
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -289,7 +296,7 @@ class PacTrainReducer:
         An unchanged mask (one comparison pass) reuses the previous snapshot's fingerprint;
         the snapshot, not the caller's array, is what the step packs with.
         """
-        cache = self.__dict__.setdefault("_snapshots", {})
+        cache = self._snapshots
         snapshots, observations = [], []
         for b, flat in enumerate(flats):
             previous = cache.get(b)
@@ -404,7 +411,7 @@ class PacTrainReducer:
             self._next_launch += 1
 
     def _buffer(self, xp, key, size, dtype):
-        cache = self.__dict__.setdefault("_buffers", {})
+        cache = self._buffers
         buf = cache.get(key)
         if buf is None or buf.size != size or buf.dtype != dtype or array_module(buf) is not xp:
             buf = xp.empty(size, dtype=dtype)
@@ -573,16 +580,22 @@ class PacTrainReducer:
                 if saved["packed"]:
                     bucket_state.indices = xp.flatnonzero(flat)
             self._tracker = tracker
-            xp_residual = self._xp()
             same_world = state["world_size"] == self.collectives.size
-            self._residuals = ({int(b): xp_residual.asarray(r) for b, r in
-                                state["residuals"].items()} if same_world else {})
+            if not same_world and state["residuals"]:
+                warnings.warn(f"checkpoint was written on {state['world_size']} ranks, this run has "
+                              f"{self.collectives.size}: error-feedback residuals start from zero",
+                              RuntimeWarning, stacklevel=3)
+            self._residuals = ({int(b): xp.asarray(r) for b, r in state["residuals"].items()}
+                               if same_world else {})
         self._step = state["step"]
         self.stats = dict(state["stats"])
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_collectives"] = None
-        state.pop("_buffers", None)
-        state.pop("_snapshots", None)
+        del state["_buffers"], state["_snapshots"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._clear_caches()
