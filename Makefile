@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 RANKS ?= 4
 
-.PHONY: setup demo test bench-allreduce bench-train clean
+.PHONY: setup demo test doctor wheel bench-allreduce bench-train clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,6 +15,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
+doctor: setup
+	$(VENV)/bin/pacmpi doctor --ranks $(RANKS)
+
+# Offline: builds with the venv's setuptools instead of fetching a fresh one.
+wheel: setup
+	$(PY) -m build --no-isolation --outdir dist
+
 bench-allreduce: setup
 	$(VENV)/bin/pacmpi-run -n $(RANKS) --oversubscribe -- $(PY) -m pacmpi.cli bench allreduce --json results/bench_allreduce.json
 
@@ -22,4 +29,4 @@ bench-train: setup
 	$(VENV)/bin/pacmpi bench train --out-dir results
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

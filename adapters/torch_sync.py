@@ -27,10 +27,11 @@ import torch
 
 from pacmpi import DEFAULT_BUCKET_BYTES, Collectives, MPICollectives, PacTrainReducer
 from pacmpi.adapters.pruning import mask_fingerprint
+from pacmpi.faults import ensure_abort_on_error
 
-__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "barrier", "broadcast_buffers",
-           "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "make_sync",
-           "transport"]
+__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "as_tensor", "barrier",
+           "broadcast_buffers", "broadcast_object", "broadcast_optimizer_state",
+           "broadcast_parameters", "make_sync", "numpy_dtype", "transport"]
 
 METHODS = ("dense", "fp16", "pactrain", "pactrain-ternary", "topk")
 # method -> (masks go to the reducer, quantize)
@@ -53,7 +54,15 @@ def as_array(tensor):
     raise TypeError(f"tensors on {tensor.device} are not supported (use CPU or CUDA)")
 
 
-def _numpy_dtype(torch_dtype):
+def as_tensor(array):
+    """Zero-copy torch tensor of a NumPy (CPU) or CuPy (CUDA, via DLPack) array."""
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
+
+
+def numpy_dtype(torch_dtype):
+    """The NumPy dtype of a torch dtype (float16/32/64; bfloat16 has none in NumPy)."""
     return torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
@@ -334,11 +343,14 @@ class PacTrainSync(_HookedSync):
         Passed to :class:`pacmpi.PacTrainReducer`.
     collectives:
         Another :class:`pacmpi.Collectives` transport instead of ``comm``.
+    abort_on_error:
+        See :class:`pacmpi.PacTrainReducer`: by default an unhandled exception on one of
+        several ranks ends the whole MPI job instead of hanging it.
     """
 
     def __init__(self, model, *, comm=None, masks=None, method="pactrain",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
-                 stable_steps=1, seed=0, average=True, collectives=None):
+                 stable_steps=1, seed=0, average=True, collectives=None, abort_on_error=None):
         if method not in _REDUCER_MODES:
             raise ValueError(f"method must be one of {tuple(_REDUCER_MODES)}, got {method!r}"
                              + ("; use TopKSync for 'topk'" if method == "topk" else ""))
@@ -350,8 +362,8 @@ class PacTrainSync(_HookedSync):
             reducer_masks, comm=comm, collectives=collectives, quantize=quantize,
             average=average, bucket_bytes=bucket_bytes, verify_every=verify_every,
             on_mismatch=on_mismatch, stable_steps=stable_steps, seed=seed,
-            shapes=[tuple(p.shape) for p in self.params],
-            dtypes=[_numpy_dtype(p.dtype) for p in self.params])
+            abort_on_error=abort_on_error, shapes=[tuple(p.shape) for p in self.params],
+            dtypes=[numpy_dtype(p.dtype) for p in self.params])
         self.collectives = self.reducer.collectives
         layout = self.reducer.layout
         self._bucket_of = [layout.bucket_of(i) for i in range(len(self.params))]
@@ -389,11 +401,12 @@ class TopKSync(_HookedSync):
     needs the whole gradient.
 
     Parameters: ``model``, ``comm``, ``masks``, ``average`` as for :class:`PacTrainSync`;
-    ``ratio`` the kept fraction (0.01 = 1%); ``error_feedback`` keeps the residual.
+    ``ratio`` the kept fraction (0.01 = 1%); ``error_feedback`` keeps the residual;
+    ``abort_on_error`` as for :class:`PacTrainSync`.
     """
 
     def __init__(self, model, *, comm=None, masks=None, ratio=0.01, average=True,
-                 error_feedback=True):
+                 error_feedback=True, abort_on_error=None):
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         if comm is None:
@@ -401,6 +414,7 @@ class TopKSync(_HookedSync):
 
             comm = MPI.COMM_WORLD.Dup()
         super().__init__(model, masks, MPICollectives(comm=comm), "topk")
+        ensure_abort_on_error(abort_on_error, size=self.collectives.size)
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise TypeError(f"TopKSync needs parameters of one dtype, got {sorted(map(str, dtypes))}")

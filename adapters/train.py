@@ -7,13 +7,23 @@ broadcasts the masks) or follow a ``--gradual`` schedule; (4) fine-tune with gra
 enforcement (:class:`~pacmpi.adapters.pruning.MaskEnforcer`) and the chosen gradient
 synchronization (``--method``); (5) after every epoch broadcast rank 0's BatchNorm statistics and
 report test accuracy, the step-time split (compute / pack / communication / unpack), bytes sent
-and dense fallbacks. Run it under ``mpirun -n 4 pacmpi train ...``, or with ``--backend horovod``
-under ``horovodrun -np 4`` (Gloo or MPI controller) or ``mpirun -n 4``.
+and dense fallbacks. Run it under ``mpirun -n 4 pacmpi train ...``, with ``--backend horovod``
+under ``horovodrun -np 4`` (Gloo or MPI controller) or ``mpirun -n 4``, or with ``--backend ddp``
+(DistributedDataParallel; PacTrain as its communication hook) under torchrun::
+
+    torchrun --standalone --nproc-per-node 4 -m pacmpi.cli train --backend ddp --method pactrain
+    # multi-node: the same command on every node (gloo on CPU)
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        -m pacmpi.cli train --backend ddp --method pactrain-ternary
+
+(``torchrun ... --no-python pacmpi train ...`` works too.) DDP's own baselines: ``--method dense``
+(DDP's default all-reduce), ``fp16`` (``fp16_compress_hook``), ``powersgd`` (``powerSGD_hook``,
+``--powersgd-rank 1`` or ``4``).
 
 Every collective of the job (weight and mask broadcasts, evaluation sums, barriers, the gradient
 synchronization) runs on one :class:`pacmpi.Collectives` (:func:`collectives_for`): MPI's
-``COMM_WORLD`` for ``--backend mpi``, Horovod's process set for ``--backend horovod``, so the job
-needs no MPI world there.
+``COMM_WORLD`` for ``--backend mpi``, Horovod's process set for ``--backend horovod``, the
+``torch.distributed`` world for ``--backend ddp``, so the job needs no MPI world there.
 
 All methods fine-tune the *same pruned model*: ``--method dense`` is the plain all-reduce
 baseline, so its accuracy is what PacTrain (lossless) must match.
@@ -37,14 +47,17 @@ from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkp
 from pacmpi.adapters.data import iterate_minibatches, load_cifar10, load_digits_split, shard
 from pacmpi.adapters.models import build_model, count_parameters
 from pacmpi.adapters.pruning import GradualPruningSchedule, MaskEnforcer, prune
-from pacmpi.adapters.torch_sync import (METHODS, barrier, broadcast_buffers, broadcast_object,
+from pacmpi.adapters.torch_sync import METHODS as SYNC_METHODS
+from pacmpi.adapters.torch_sync import (barrier, broadcast_buffers, broadcast_object,
                                        broadcast_parameters, make_sync)
 
 __all__ = ["TrainConfig", "build_parser", "collectives_for", "fine_tune", "main", "parse_gradual",
            "parse_watchdog", "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-BACKENDS = ("mpi", "horovod")
+BACKENDS = ("mpi", "horovod", "ddp")
+METHODS = SYNC_METHODS + ("powersgd",)
+DDP_METHODS = ("dense", "fp16", "powersgd", "pactrain", "pactrain-ternary")
 
 
 @dataclasses.dataclass
@@ -70,6 +83,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     topk_ratio: float = 0.01
+    powersgd_rank: int = 1             # --method powersgd (--backend ddp): approximation rank
     bucket_bytes: int = 25 * 1024 * 1024
     verify_every: int = 1
     stable_steps: int = 1
@@ -79,7 +93,7 @@ class TrainConfig:
     checkpoint_every: int = 0          # steps; 0 = at the end of every epoch
     resume: bool = False
     max_steps: int = 0                 # stop after this many fine-tuning steps (0 = no limit)
-    backend: str = "mpi"               # mpi | horovod (no topk, no checkpoints)
+    backend: str = "mpi"               # mpi | horovod | ddp (no topk, no checkpoints)
     watchdog: Optional[str] = None     # "WARN[,ABORT]" seconds: name ranks stalled in a collective
     json: Optional[str] = None
     progress: bool = True
@@ -112,12 +126,18 @@ def _config(config):
               (cfg.dataset in ("digits", "cifar10"), "dataset must be digits or cifar10"),
               (cfg.dataset != "cifar10" or cfg.data_dir, "--dataset cifar10 needs --data-dir"),
               (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint"),
-              (cfg.backend != "horovod" or cfg.method != "topk",
+              (cfg.backend != "horovod" or cfg.method not in ("topk", "powersgd"),
                "--backend horovod supports --method dense|fp16|pactrain|pactrain-ternary; "
                "run --method topk with --backend mpi"),
-              (cfg.backend != "horovod" or not cfg.checkpoint,
-               "--backend horovod does not support --checkpoint/--resume; use --backend mpi"),
-              (cfg.backend != "horovod" or not cfg.watchdog,
+              (cfg.backend != "ddp" or cfg.method in DDP_METHODS,
+               f"--backend ddp supports --method {'|'.join(DDP_METHODS)}"),
+              (cfg.method != "powersgd" or cfg.backend == "ddp",
+               "--method powersgd is DDP's powerSGD_hook: use --backend ddp"),
+              (cfg.powersgd_rank >= 1, "--powersgd-rank must be at least 1"),
+              (cfg.backend == "mpi" or not cfg.checkpoint,
+               f"--backend {cfg.backend} does not support --checkpoint/--resume; "
+               "use --backend mpi"),
+              (cfg.backend == "mpi" or not cfg.watchdog,
                "--watchdog watches MPI collectives; use it with --backend mpi")]
     for ok, message in checks:
         if not ok:
@@ -259,9 +279,23 @@ def collectives_for(backend, watchdog=None):
     :class:`pacmpi.MPICollectives` on a duplicate of ``COMM_WORLD`` (watched by a
     :class:`pacmpi.watchdog.StallWatchdog` when ``watchdog`` is ``"WARN[,ABORT]"``); for ``"horovod"``
     ``hvd.init()`` and a :class:`pacmpi.adapters.horovod.HorovodCollectives` (works under
-    ``horovodrun --gloo``, where there is no MPI world, and under ``mpirun``). Collective."""
+    ``horovodrun --gloo``, where there is no MPI world, and under ``mpirun``); for ``"ddp"``
+    ``torch.distributed`` (initialized from torchrun's environment if it is not yet, gloo;
+    without torchrun, a world of one) and a :class:`pacmpi.adapters.ddp.TorchDistCollectives`.
+    Collective."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "ddp":
+        import torch.distributed as dist
+
+        from pacmpi.adapters.ddp import TorchDistCollectives
+
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:  # not under torchrun: a world of one
+                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+            dist.init_process_group("gloo")
+        return TorchDistCollectives()
     if backend == "mpi":
         if not watchdog:
             return MPICollectives()
@@ -326,6 +360,72 @@ class _HorovodSync:
         self.last_step = {key: self.stats[key] - before[key] for key in self.stats}
         self.last_step.update(compute_seconds=compute_seconds, comm_seconds=step_seconds,
                               wait_seconds=step_seconds, dense_bytes=self.dense_bytes)
+
+
+class _DDPSync:
+    """``--backend ddp``: the model wrapped in ``DistributedDataParallel`` with
+    :func:`pacmpi.adapters.ddp.pactrain_hook` (pactrain, pactrain-ternary), DDP's default
+    all-reduce (dense), ``fp16_compress_hook`` or ``powerSGD_hook``; the few members :func:`run`
+    uses of a sync. Communication overlaps backward, so ``compute_seconds`` includes what of it
+    is exposed; ``comm_seconds`` is the hook's (PacTrain only). Needs ``torch.distributed``
+    (:func:`collectives_for`)."""
+
+    def __init__(self, cfg, model, masks):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
+
+        self.masks, self.state, self.powersgd = masks, None, None
+        self.ddp = DistributedDataParallel(model)
+        if cfg.method.startswith("pactrain"):
+            self.state = PacTrainHookState(
+                self.ddp, masks, quantize="ternary" if cfg.method == "pactrain-ternary" else None,
+                stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
+            self.ddp.register_comm_hook(self.state, pactrain_hook)
+        elif cfg.method == "fp16":
+            self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif cfg.method == "powersgd":
+            self.powersgd = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                start_powerSGD_iter=2, random_seed=cfg.seed)
+            self.ddp.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._wire_bytes = self.dense_bytes // 2 if cfg.method == "fp16" else self.dense_bytes
+        self._powersgd_numel, self._seconds = 0, {}
+        self.stats = {"steps": 0, "bytes_sent": 0, "dense_fallbacks": 0,
+                      "packed_reductions": 0, "dense_reductions": 0}
+        self.last_step = {}
+
+    def update_masks(self, masks):
+        with torch.no_grad():
+            for name, mask in masks.items():
+                self.masks[name].copy_(mask)
+
+    def record(self, compute_seconds, step_seconds):
+        """Account one step (``step_seconds``: ``optimizer.step()``, local under DDP)."""
+        before, extra = dict(self.stats), {"comm_seconds": 0.0}
+        if self.state is not None:
+            s = self.state.stats
+            self.stats.update(bytes_sent=s["bytes_sent"], dense_fallbacks=s["dense_fallbacks"],
+                              packed_reductions=s["packed_reductions"],
+                              dense_reductions=s["dense_reductions"])
+            for key in ("pack_seconds", "comm_seconds", "unpack_seconds", "verify_seconds"):
+                extra[key] = s[key] - self._seconds.get(key, 0.0)
+                self._seconds[key] = s[key]
+        else:
+            sent = self._wire_bytes
+            if self.powersgd is not None:  # cumulative elements sent once compression starts
+                numel = self.powersgd.total_numel_after_compression
+                sent = (numel - self._powersgd_numel) * 4 if numel > self._powersgd_numel \
+                    else self.dense_bytes
+                self._powersgd_numel = numel
+            self.stats["bytes_sent"] += sent
+            self.stats["dense_reductions"] += 1
+        self.stats["steps"] += 1
+        self.last_step = {key: self.stats[key] - before[key] for key in self.stats}
+        self.last_step.update(extra, compute_seconds=compute_seconds, wait_seconds=0.0,
+                              dense_bytes=self.dense_bytes)
 
 
 class _StepLog:
@@ -402,7 +502,11 @@ def fine_tune(config, collectives=None):
     enforcer = MaskEnforcer(model, masks)
 
     optimizer = _optimizer(cfg, model.parameters(), cfg.lr)
-    if cfg.backend == "horovod":
+    forward = model
+    if cfg.backend == "ddp":
+        sync = _DDPSync(cfg, model, {name: mask.clone() for name, mask in enforcer.masks.items()})
+        forward = sync.ddp
+    elif cfg.backend == "horovod":
         sync = _HorovodSync(cfg, model, optimizer, enforcer.masks, enforcer)
         optimizer = sync.optimizer
     else:
@@ -455,13 +559,15 @@ def fine_tune(config, collectives=None):
                     sync.update_masks(new)
             t0 = time.perf_counter()
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(xb), yb)
+            loss = F.cross_entropy(forward(xb), yb)
             loss.backward()
+            if cfg.backend == "ddp":
+                enforcer.apply_to_grads()  # GSE for DDP's own methods (PacTrain's hook did it)
             t1 = time.perf_counter()
             optimizer.step()
             t2 = time.perf_counter()
             step += 1
-            if cfg.backend == "horovod":
+            if cfg.backend != "mpi":
                 sync.record(t1 - t0, t2 - t1)
             losses.append(float(loss.detach()))
             record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,

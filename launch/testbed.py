@@ -51,6 +51,7 @@ __all__ = [
     "format_rate",
     "link_model",
     "LinkTestbed",
+    "probe_testbed",
 ]
 
 INTERFACE = "lo"
@@ -121,13 +122,14 @@ class LinkTestbed:
     Knobs: ``rate`` (tc rate, e.g. ``"100mbit"``), ``burst`` and ``latency`` (tbf bucket size
     and queue bound; the defaults keep measured rates within 2% of nominal up to 1gbit),
     ``mtu`` of the namespace's ``lo`` (9000 like a jumbo-frame LAN; smaller means more packets
-    per byte and more CPU), ``mpirun`` (the launcher calibration uses).
+    per byte and more CPU), ``mpirun`` (the launcher calibration uses; ``None``: see
+    :func:`~.launchers.find_launcher`).
 
     ``name`` is unique per process and instance (``pacmpi-PID-K``) so concurrent test beds and
     leftovers from a crashed run never collide.
     """
 
-    def __init__(self, rate, *, burst="64kb", latency="200ms", mtu=9000, mpirun="mpirun"):
+    def __init__(self, rate, *, burst="64kb", latency="200ms", mtu=9000, mpirun=None):
         self.rate = rate
         self.rate_bps = parse_rate(rate)
         self.burst, self.latency, self.mtu, self.mpirun = burst, latency, mtu, mpirun
@@ -276,3 +278,17 @@ class LinkTestbed:
                 f"{result['ratio']:.0%} of the nominal {format_rate(self.rate_bps)} "
                 f"(allowed: within {tolerance:.0%}); results on this test bed would be wrong", result)
         return result
+
+
+def probe_testbed():
+    """Why this user cannot build the shaped test bed here, or ``None`` when it can.
+
+    Builds a real one (namespace, ``lo`` up, MTU, tbf qdisc) and removes it, so every
+    requirement is checked the way ``pacmpi-run --link`` needs it: root, iproute2's ``ip``
+    and ``tc``, network namespaces (CAP_SYS_ADMIN) and the kernel's tbf qdisc.
+    """
+    try:
+        with LinkTestbed("1gbit"):
+            return None
+    except TestbedError as exc:
+        return str(exc)

@@ -1,65 +1,119 @@
-"""The ``pacmpi`` command: ``train``, ``bench allreduce``, ``bench train`` and ``info``.
+"""The ``pacmpi`` command; its sub-commands are registered by the installed packages.
 
-Sub-commands that run under MPI go through :func:`pacmpi.faults.run_main`, so an exception on
-one rank ends the whole job instead of leaving the others blocked in a collective.
+A package adds a sub-command with an entry point in the group ``pacmpi.commands``, named by
+the command's words and pointing at a ``main(argv)`` function, e.g. in ``pyproject.toml``::
+
+    [project.entry-points."pacmpi.commands"]
+    "bench allreduce" = "pacmpi.bench.allreduce:main"
+    "train" = "pacmpi.adapters.train:main"
+
+The core therefore never imports the adapters or the launch helpers: it only reads the
+metadata of what is installed. ``pacmpi --help`` lists the commands with the first line of
+each target module's docstring, read from its source without importing it (no torch).
+Commands run through :func:`pacmpi.faults.run_main`, so an exception on one rank ends the
+whole job instead of leaving the others blocked in a collective.
 """
-import importlib
+import ast
+import importlib.util
+import re
 import sys
+import textwrap
+from dataclasses import dataclass
+from importlib.metadata import distributions
 
 from .faults import run_main
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["GROUP", "Command", "commands", "main"]
 
-COMMANDS = {
-    ("train",): ("pacmpi.adapters.train", "distributed fine-tuning job (run under mpirun)"),
-    ("bench", "allreduce"): ("pacmpi.bench.allreduce",
-                             "dense vs packed vs ternary all-reduce (run under mpirun)"),
-    ("bench", "train"): ("pacmpi.bench.train",
-                         "end-to-end time-to-accuracy on shaped links (launches its own jobs)"),
-    ("info",): ("pacmpi.cli", "versions, MPI library, CUDA-awareness, ternary wire bits"),
-}
+GROUP = "pacmpi.commands"
 
 
-def _usage():
+@dataclass(frozen=True)
+class Command:
+    """One registered sub-command: its ``words`` and its ``target`` (``"module:function"``)."""
+
+    words: tuple
+    target: str
+
+    @property
+    def module(self):
+        return self.target.partition(":")[0]
+
+    def load(self):
+        """Import the target and return its ``main(argv)`` function."""
+        module, _, attr = self.target.partition(":")
+        function = importlib.import_module(module)
+        for name in (attr or "main").split("."):
+            function = getattr(function, name)
+        return function
+
+    def __call__(self, argv):
+        # Loading happens here, inside run_main, so that a failed import (torch missing) is
+        # reported like any other failure and ends every rank.
+        return self.load()(argv)
+
+    def summary(self):
+        """The first sentence of the target module's docstring, without its ``pacmpi
+        WORDS:`` prefix; the module is located (its parent packages imported) but not run."""
+        try:
+            spec = importlib.util.find_spec(self.module)
+            if spec is None or not spec.has_location:
+                return f"(cannot read {self.module}: no such module file)"
+            with open(spec.origin, encoding="utf-8") as source:
+                doc = ast.get_docstring(ast.parse(source.read())) or ""
+        except (ImportError, OSError, SyntaxError, ValueError) as exc:
+            return f"(cannot read {self.module}: {exc})"
+        paragraph = " ".join(doc.split("\n\n")[0].split())
+        prefix = f"``pacmpi {' '.join(self.words)}``: "
+        if paragraph.startswith(prefix):
+            paragraph = paragraph[len(prefix):]
+        return re.split(r"(?<=\.)\s|\s--\s", paragraph)[0].rstrip(".")
+
+
+def commands():
+    """``{words: Command}`` for every entry point in :data:`GROUP`, longest names first (so
+    ``bench train`` is matched before a command named ``bench``).
+
+    Every distribution on ``sys.path`` is read, not only the first of each name as
+    ``entry_points()`` does: a stale ``pacmpi.egg-info`` left in the current directory by a
+    build would otherwise hide the installed package's commands. The first registration of
+    a command wins.
+    """
+    found = {}
+    for distribution in distributions():
+        for point in distribution.entry_points:
+            if point.group == GROUP:
+                words = tuple(point.name.split())
+                found.setdefault(words, Command(words, point.value))
+    return dict(sorted(found.items(), key=lambda item: (-len(item[0]), item[0])))
+
+
+def _usage(registered):
     lines = ["usage: pacmpi COMMAND [options]", "", "commands:"]
-    for words, (_, text) in COMMANDS.items():
-        lines.append(f"  {' '.join(words):<18} {text}")
-    lines.append("")
-    lines.append("`pacmpi COMMAND --help` shows a command's options.")
+    width = max((len(" ".join(words)) for words in registered), default=0) + 2
+    for words in sorted(registered):
+        lines += textwrap.wrap(registered[words].summary(), 96, initial_indent=(
+            f"  {' '.join(words):<{width}} "), subsequent_indent=" " * (width + 3))
+    if not registered:
+        lines.append(f"  (none: no installed package registers entry points in {GROUP!r}; "
+                     "is pacmpi installed? `pip install -e .` in a checkout)")
+    lines += ["", "`pacmpi COMMAND --help` shows a command's options."]
     return "\n".join(lines)
 
 
-def info(argv=None):
-    """Print what pacmpi runs on: versions, the MPI library and its CUDA support."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from . import __version__
-    from .collectives import MPICollectives
-    from .ternary import wire_bits_table
-
-    print(f"pacmpi {__version__}; numpy {np.__version__}")
-    print(MPI.Get_library_version().strip().splitlines()[0])
-    print(f"CUDA-aware MPI: {MPICollectives().cuda_aware}")
-    for row in wire_bits_table():
-        print(f"ternary on {row['ranks']:>2} ranks: {row['bits_per_value']:.3f} bits/value "
-              f"(bound log2(2n+1) = {row['log2_2n_plus_1']:.3f})")
-    return 0
-
-
 def main(argv=None):
+    """Run the sub-command named by the first words of ``argv``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    for words, (module, _) in COMMANDS.items():
+    registered = commands()
+    for words, command in registered.items():
         if tuple(argv[:len(words)]) == words:
-            rest = argv[len(words):]
-            if words == ("info",):
-                return run_main(info, rest)
-            return run_main(importlib.import_module(module).main, rest)
+            return run_main(command, argv[len(words):])
     if argv and argv[0] not in ("-h", "--help"):
-        print(f"pacmpi: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)
-        print(_usage(), file=sys.stderr)
+        words = " ".join(word for word in argv[:2] if not word.startswith("-"))
+        print(f"pacmpi: unknown command {words!r}\n", file=sys.stderr)
+        print(_usage(registered), file=sys.stderr)
         return 2
-    print(_usage())
+    print(_usage(registered))
     return 0
 
 

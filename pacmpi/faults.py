@@ -8,17 +8,23 @@ non-zero, as ``python -m mpi4py`` does.
 
 - :func:`run_main` wraps a command-line entry point: ``sys.exit(run_main(main, argv))``.
 - :func:`abort_on_exception` is a context manager and decorator for user code.
-- :func:`install_excepthook` covers every unhandled exception of a script's main thread.
+- :func:`install_excepthook` covers every unhandled exception of a script, in its main thread
+  and in other threads.
+- :func:`ensure_abort_on_error` installs that hook by default: pacmpi's transports' users
+  (``PacTrainReducer``, ``PacTrainSync``, ``PacTrainCompressor``) call it with their world
+  size, so a plain ``mpirun -n 4 python train.py`` ends when one rank raises.
 
-They abort only when it is needed: MPI initialized (through mpi4py), not finalized, and more
-than one rank in ``COMM_WORLD``. Otherwise the exception propagates (or, in :func:`run_main`,
-becomes an exit status) as usual. Nothing here imports mpi4py, so importing this module never
-initializes MPI.
+They abort only when it is needed: more than one rank, known from MPI (initialized through
+mpi4py, not finalized) or declared by :func:`ensure_abort_on_error`. Otherwise the exception
+propagates (or, in :func:`run_main`, becomes an exit status) as usual. Nothing here imports
+mpi4py, so importing this module never initializes MPI.
 """
 import contextlib
+import operator
 import os
 import socket
 import sys
+import threading
 import traceback
 
 __all__ = [
@@ -29,13 +35,23 @@ __all__ = [
     "exit_status",
     "abort_on_exception",
     "install_excepthook",
+    "ensure_abort_on_error",
+    "ABORT_ENV",
     "run_main",
 ]
 
+ABORT_ENV = "PACMPI_ABORT_ON_ERROR"
+_ENV_OFF = ("0", "false", "no", "off")
+_ENV_ON = ("", "1", "true", "yes", "on")
+
+# The largest world size declared through ensure_abort_on_error: a transport that is not
+# mpi4py's (Horovod over Gloo or its own MPI) still makes a failing rank worth aborting.
+_declared_size = 1
+
 # Where launchers put the rank and world size before MPI is initialized (Open MPI, PMIx,
-# MPICH/Hydra and Intel MPI, Slurm's srun).
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+# MPICH/Hydra and Intel MPI, Slurm's srun, torchrun).
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID", "RANK")
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE")
 
 
 def _live_mpi():
@@ -135,7 +151,7 @@ def _must_abort(status):
     if status == 0:
         return False
     _, size, live = world()
-    return live and size > 1
+    return (live and size > 1) or _declared_size > 1
 
 
 class abort_on_exception(contextlib.ContextDecorator):
@@ -156,25 +172,112 @@ class abort_on_exception(contextlib.ContextDecorator):
         abort_job(exit_status(exc))
 
 
-def install_excepthook():
-    """Make an unhandled exception in the main thread abort the job (see module docstring).
+def _run_previous(previous, default, *args):
+    """Run the hook that was installed before ours, unless it is Python's default, whose
+    output the rank-prefixed report replaces; a failure in it must not prevent the abort."""
+    if previous is default:
+        return
+    try:
+        previous(*args)
+    except BaseException:  # noqa: B902 - abort anyway
+        pass
 
-    Idempotent; returns the hook that was installed before. The exception is printed by the
-    hook in either case, so single-rank behaviour matches Python's own (status 1).
+
+def install_excepthook(*, threads=True):
+    """Make an unhandled exception abort the job when it has several ranks.
+
+    Chained to the hooks installed before: ``sys.excepthook`` for the main thread and, with
+    ``threads`` (default), ``threading.excepthook`` for other threads. On one rank the
+    previous hook alone runs, so behaviour is Python's own. On several ranks the previous hook
+    runs first (a custom one: logging, error trackers; Python's default is replaced by the
+    same traceback, prefixed with the rank), then the job is aborted with
+    :func:`exit_status` of the exception. A thread's ``SystemExit`` ends only that thread, as
+    in Python, and aborts nothing. Idempotent: installing again leaves one hook of each kind.
+    Returns the ``sys.excepthook`` that was installed before.
     """
     previous = sys.excepthook
-    if getattr(previous, "_pacmpi_abort", False):
-        return previous
+    if not getattr(previous, "_pacmpi_abort", False):
+        def hook(exc_type, exc, tb):
+            if not _must_abort(exit_status(exc)):
+                return previous(exc_type, exc, tb)
+            _run_previous(previous, sys.__excepthook__, exc_type, exc, tb)
+            report_exception(exc)
+            abort_job(exit_status(exc))
 
-    def hook(exc_type, exc, tb):
-        if not _must_abort(exit_status(exc)):
-            return previous(exc_type, exc, tb)
+        hook._pacmpi_abort = True
+        hook.previous = previous
+        sys.excepthook = hook
+    if threads and not getattr(threading.excepthook, "_pacmpi_abort", False):
+        _install_thread_hook()
+    return previous.previous if getattr(previous, "_pacmpi_abort", False) else previous
+
+
+def _install_thread_hook():
+    previous = threading.excepthook
+
+    def thread_hook(args):
+        exc = args.exc_value if args.exc_value is not None else args.exc_type()
+        if issubclass(args.exc_type, SystemExit) or not _must_abort(exit_status(exc)):
+            return previous(args)
+        _run_previous(previous, threading.__excepthook__, args)
+        name = getattr(args.thread, "name", None) or "unknown"
+        try:
+            sys.stderr.write(f"{rank_prefix()}unhandled exception in thread {name!r}; "
+                             "aborting the job\n")
+        except (OSError, ValueError, AttributeError):
+            pass
         report_exception(exc)
         abort_job(exit_status(exc))
 
-    hook._pacmpi_abort = True
-    sys.excepthook = hook
-    return previous
+    thread_hook._pacmpi_abort = True
+    thread_hook.previous = previous
+    threading.excepthook = thread_hook
+
+
+def ensure_abort_on_error(abort_on_error=None, *, size):
+    """Make a failing rank end the whole job, unless opted out; ``True`` if the hook is on.
+
+    pacmpi's users of a transport (``PacTrainReducer``, ``PacTrainSync``,
+    ``PacTrainCompressor``) call this with their world ``size``. Without it, a plain
+    ``mpirun -n 4 python train.py`` in which one rank raises hangs: the other ranks wait in
+    an all-reduce for it, and it waits for them in ``MPI_Finalize``. So when ``size > 1`` this
+    installs :func:`install_excepthook`: an exception nobody catches, in the main thread or in
+    another thread (a data-prefetch thread that dies leaves the main thread waiting for it
+    just as surely), is reported with the rank prefix after any custom hook installed before
+    has run, and the job is aborted (``MPI_Abort`` when mpi4py's MPI is live, else
+    ``os._exit``, which skips the finalization that would wait for the other ranks; the
+    launcher then ends them). The launcher's exit status is non-zero.
+
+    What stays as in Python: exceptions the program catches are untouched; ``sys.exit(0)``
+    and a thread's ``SystemExit`` abort nothing; on one rank nothing is installed.
+
+    ``abort_on_error``: ``None`` (default) reads ``$PACMPI_ABORT_ON_ERROR`` (``0``, ``false``,
+    ``no``, ``off`` opt out; unset, ``1``, ``true``, ``yes``, ``on`` opt in); ``True`` or
+    ``False`` decide regardless of the variable. Opting out leaves ``sys.excepthook`` and
+    ``threading.excepthook`` untouched, but does not remove a hook already installed (by an
+    earlier object, or by the program). Installing is idempotent: one hook of each kind.
+    """
+    if abort_on_error is None:
+        value = os.environ.get(ABORT_ENV, "").strip().lower()
+        if value not in _ENV_OFF + _ENV_ON:
+            raise ValueError(f"{ABORT_ENV}={value!r}: use 1 (abort the job on an unhandled "
+                             "exception, the default) or 0")
+        abort_on_error = value in _ENV_ON
+    elif not isinstance(abort_on_error, bool):
+        raise TypeError(f"abort_on_error must be None, True or False, got {abort_on_error!r}")
+    try:
+        valid = not isinstance(size, bool) and operator.index(size) >= 1
+    except TypeError:
+        valid = False
+    if not valid:
+        raise ValueError(f"size must be a positive integer, got {size!r}")
+    size = operator.index(size)
+    if not abort_on_error or size <= 1:
+        return False
+    global _declared_size
+    _declared_size = max(_declared_size, size)
+    install_excepthook(threads=True)
+    return True
 
 
 def run_main(main, argv=None):

@@ -2,8 +2,8 @@
 
 Each value ``v`` becomes ``scale * q`` with ``q`` in {-1, 0, +1}, ``P(q = sign v) = |v|/scale``,
 so ``E[scale * q] = v``. The biased code ``q + 1`` is in {0, 1, 2}; with ``n`` ranks a sum of
-codes is at most ``2n``, so codes are stored as base-``(2n+1)`` digits of int64 (or int32)
-words: a word-wise SUM over ranks never carries from one digit into the next and decodes
+codes is at most ``2n``, so codes are stored as base-``(2n+1)`` digits of int64, uint64 or
+int32 words: a word-wise SUM over ranks never carries from one digit into the next and decodes
 exactly. A value then costs ``word_bits / digits_per_word`` bits on the wire, within a fraction
 of a bit of the ``log2(2n+1)`` bits its sum needs.
 """
@@ -15,7 +15,7 @@ from .hashing import splitmix64_int, uniform
 
 __all__ = ["TernaryCodec", "stochastic_ternary", "ternary_key", "wire_bits_table"]
 
-_WORD_DTYPES = {"int64": np.int64, "int32": np.int32}
+_WORD_DTYPES = {"int64": np.int64, "int32": np.int32, "uint64": np.uint64}
 
 
 class TernaryCodec:
@@ -26,8 +26,9 @@ class TernaryCodec:
     world_size:
         Number of ranks whose codes will be summed (at least 1).
     word_dtype:
-        ``"int64"`` (default, densest) or ``"int32"`` (for transports without 64-bit integers).
-        Signed types are used because Horovod's and PyTorch's reductions have no unsigned ones.
+        ``"int64"`` (default), ``"uint64"`` (densest: one more bit per word, for transports that
+        sum unsigned integers, such as MPI; Horovod's and PyTorch's reductions have none) or
+        ``"int32"`` (for transports without 64-bit integers).
     """
 
     def __init__(self, world_size, word_dtype="int64"):
@@ -39,7 +40,8 @@ class TernaryCodec:
         self.world_size = int(world_size)
         self.word_dtype = np.dtype(_WORD_DTYPES[word_dtype])
         self.base = 2 * self.world_size + 1
-        largest_sum = np.iinfo(self.word_dtype).max
+        # Python ints: base**k of a uint64 word does not fit int64.
+        largest_sum = int(np.iinfo(self.word_dtype).max)
         digits = 0
         while self.base ** (digits + 1) - 1 <= largest_sum:
             digits += 1
@@ -52,9 +54,14 @@ class TernaryCodec:
 
     @staticmethod
     def max_world_size(word_dtype="int64"):
-        """Largest rank count whose digit sums still fit one word."""
+        """Largest rank count whose digit sums still fit one word (one base-(2n+1) digit)."""
         largest_sum = int(np.iinfo(_WORD_DTYPES[word_dtype]).max)
         return (largest_sum - 1) // 2
+
+    @property
+    def sum_dtype(self):
+        """Dtype of :meth:`decode`'s signed sums: the word dtype, int64 for uint64 words."""
+        return np.dtype(np.int64) if self.word_dtype == np.uint64 else self.word_dtype
 
     @property
     def bits_per_value(self):
@@ -67,9 +74,9 @@ class TernaryCodec:
         """Pack codes in {-1, 0, 1} (any integer dtype) into words; returns the word array."""
         k = self.digits_per_word
         nwords = self.words_for(codes.size)
-        digits = xp.zeros(nwords * k, dtype=xp.int8)
-        digits[:codes.size] = codes
-        digits[:codes.size] += 1
+        # uint8 digits add to every word dtype without promotion (int8 + uint64 is float64).
+        digits = xp.zeros(nwords * k, dtype=xp.uint8)
+        xp.add(codes, 1, out=digits[:codes.size], casting="unsafe")
         digits = digits.reshape(nwords, k)
         words = xp.zeros(nwords, dtype=self.word_dtype) if out is None else out
         words[...] = 0
@@ -79,11 +86,12 @@ class TernaryCodec:
         return words
 
     def decode(self, xp, words, count, ranks=None):
-        """Sum of the ``ranks`` ranks' codes (word dtype, in [-ranks, ranks]) from summed words."""
+        """Sum of the ``ranks`` ranks' codes (:attr:`sum_dtype`, in [-ranks, ranks]) from summed
+        words."""
         ranks = self.world_size if ranks is None else ranks
         k = self.digits_per_word
         remaining = words.copy()
-        sums = xp.empty((words.size, k), dtype=self.word_dtype)
+        sums = xp.empty((words.size, k), dtype=self.sum_dtype)
         for j in range(k):
             remaining, sums[:, j] = xp.divmod(remaining, self.base)
         sums = sums.reshape(-1)[:count]
@@ -112,15 +120,20 @@ def stochastic_ternary(xp, values, scale, key):
     return codes
 
 
-def wire_bits_table(world_sizes=(2, 4, 8, 16, 64), word_dtype="int64"):
-    """Rows of (ranks, digits per word, bits per value on the wire, log2(2n+1) lower bound)."""
+def wire_bits_table(world_sizes=(2, 4, 8, 16, 64, 256, 1024), word_dtype="int64"):
+    """Rows of (ranks, word dtype, digits per word, bits per value on the wire, log2(2n+1)
+    lower bound); ``word_dtype`` is one name or a sequence of names (rows per rank count, one
+    per word dtype)."""
+    word_dtypes = (word_dtype,) if isinstance(word_dtype, str) else tuple(word_dtype)
     rows = []
     for n in world_sizes:
-        codec = TernaryCodec(n, word_dtype)
-        rows.append({
-            "ranks": n,
-            "digits_per_word": codec.digits_per_word,
-            "bits_per_value": codec.bits_per_value,
-            "log2_2n_plus_1": math.log2(2 * n + 1),
-        })
+        for name in word_dtypes:
+            codec = TernaryCodec(n, name)
+            rows.append({
+                "ranks": n,
+                "word_dtype": name,
+                "digits_per_word": codec.digits_per_word,
+                "bits_per_value": codec.bits_per_value,
+                "log2_2n_plus_1": math.log2(2 * n + 1),
+            })
     return rows

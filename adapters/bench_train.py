@@ -16,7 +16,14 @@ Writes one JSON file and PNG plots, prints a table.
 
 Methods are named by label: ``dense-fp32``, ``dense-fp16`` and ``topk-<P>%`` fine-tune the
 unpruned model (``baseline_ratio``, 0 by default: what one would train without PacTrain);
-``pactrain-<R>`` and ``pactrain-ternary-<R>`` prune a fraction ``R`` first.
+``pactrain-<R>`` and ``pactrain-ternary-<R>`` prune a fraction ``R`` first. These run the MPI
+backend under ``mpirun``. Labels starting ``ddp-`` run ``pacmpi train --backend ddp`` under
+``torchrun`` (gloo) on the same test bed: ``ddp-dense`` (DDP's default all-reduce),
+``ddp-fp16`` (``fp16_compress_hook``), ``ddp-powersgd-<K>`` (``powerSGD_hook`` of rank K) on
+the unpruned model, and ``ddp-pactrain-<R>``, ``ddp-pactrain-ternary-<R>`` (PacTrain's DDP
+communication hook). Presets: ``ddp`` (:data:`DDP_METHODS`) and ``default``
+(:data:`DEFAULT_METHODS`), e.g. ``--methods dense-fp32,dense-fp16,ddp``. Speedups are against
+dense fp32 and fp16 (MPI) and, when it ran, DDP's default all-reduce (``ddp-dense``).
 """
 import argparse
 import dataclasses
@@ -33,8 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from pacmpi.launch import CalibrationError, TestbedError, run_command
+
 __all__ = [
-    "DEFAULT_METHODS", "DEFAULT_RATES", "DEFAULT_SWEEP", "MethodSpec", "parse_method",
+    "DEFAULT_METHODS", "DDP_METHODS", "METHOD_PRESETS", "DEFAULT_RATES", "DEFAULT_SWEEP",
+    "MethodSpec", "parse_method", "expand_methods", "job_command", "reference_label",
     "time_to_accuracy", "speedup", "throughput_stats", "summarize_run", "add_tta",
     "tta_sensitivity", "derive", "run_benchmark", "format_table", "write_plots", "build_parser",
     "main",
@@ -43,8 +53,14 @@ __all__ = [
 DEFAULT_RATES = ("none", "100mbit", "1gbit")
 DEFAULT_METHODS = ("dense-fp32", "dense-fp16", "topk-1%", "pactrain-0.5", "pactrain-0.8",
                    "pactrain-ternary-0.8")
+DDP_METHODS = ("ddp-dense", "ddp-fp16", "ddp-powersgd-1", "ddp-powersgd-4", "ddp-pactrain-0.5",
+               "ddp-pactrain-0.8", "ddp-pactrain-ternary-0.8")
+METHOD_PRESETS = {"default": DEFAULT_METHODS, "ddp": DDP_METHODS}
 DEFAULT_SWEEP = (0.0, 0.5, 0.7, 0.8, 0.9)
 BASELINES = ("dense-fp32", "dense-fp16")
+DDP_BASELINE = "ddp-dense"  # a third speedup column when it ran
+# The TTA target is a fraction of the first of these that ran at the rate.
+REFERENCES = ("dense-fp32", DDP_BASELINE)
 SENSITIVITY_FRACTIONS = (0.95, 0.97, 0.98, 0.99)
 TRAIN_MODULE = "pacmpi.adapters.train"
 CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
@@ -83,33 +99,71 @@ NOTES = [
     "crosses the one shared link: 2(n-1)x that for a ring all-reduce, n(n-1)x for TopK's "
     "all-gather.",
 ]
+DDP_NOTES = [
+    "DDP rows (ddp-*): pacmpi train --backend ddp under torchrun --standalone (gloo over TCP, "
+    "pinned to the test bed's shaped lo; calibrated with mpirun as the MPI rows), the same "
+    "model, data, pretrained weights, seed and TTA target (dense-fp32's when it ran, else "
+    "ddp-dense's). DDP overlaps communication with backward, so its step split counts the "
+    "exposed communication as compute. ddp-powersgd-K: torch's powerSGD_hook of rank K (error "
+    "feedback, warm start), 2 dense warm-up steps, then P and Q of every matrix plus the "
+    "uncompressed vectors; its bytes/step are torch's count of elements sent x 4 B. ddp-fp16 "
+    "sends half of dense; ddp-pactrain-* send what the MPI PacTrain rows send.",
+]
 
 
 # ---------------------------------------------------------------------------------- methods
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
     """One benchmarked configuration: ``label`` as shown, the training job's ``method``,
-    pruning ``ratio`` and ``topk_ratio``."""
+    pruning ``ratio`` and ``topk_ratio``, its ``backend`` (``"mpi"`` under mpirun, ``"ddp"``
+    under torchrun) and ``powersgd_rank`` (``--method powersgd``)."""
 
     label: str
     method: str
     ratio: float
     topk_ratio: float = 0.01
+    backend: str = "mpi"
+    powersgd_rank: int = 1
+
+
+_LABELS = ("dense-fp32, dense-fp16, topk-P% (0 < P <= 100), pactrain-R, pactrain-ternary-R "
+           "(0 <= R < 1), ddp-dense, ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, "
+           "ddp-pactrain-ternary-R, or a preset: " + ", ".join(METHOD_PRESETS))
 
 
 def parse_method(label, baseline_ratio=0.0):
-    """``"pactrain-0.8"`` -> ``MethodSpec("pactrain-0.8", "pactrain", 0.8)``; see module doc."""
+    """``"pactrain-0.8"`` -> ``MethodSpec("pactrain-0.8", "pactrain", 0.8)``,
+    ``"ddp-powersgd-4"`` -> ``MethodSpec("ddp-powersgd-4", "powersgd", 0.0, backend="ddp",
+    powersgd_rank=4)``; see the module doc."""
     fixed = {"dense-fp32": "dense", "dense-fp16": "fp16"}
     if label in fixed:
         return MethodSpec(label, fixed[label], baseline_ratio)
     match = re.fullmatch(r"topk-(\d+(?:\.\d+)?)%", label)
     if match and 0 < float(match.group(1)) <= 100:
         return MethodSpec(label, "topk", baseline_ratio, float(match.group(1)) / 100)
-    match = re.fullmatch(r"(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)", label)
-    if match and 0 <= float(match.group(2)) < 1:
-        return MethodSpec(label, match.group(1), float(match.group(2)))
-    raise ValueError(f"unknown method label {label!r}: use dense-fp32, dense-fp16, topk-P% "
-                     "(0 < P <= 100), pactrain-R or pactrain-ternary-R (0 <= R < 1)")
+    match = re.fullmatch(r"(ddp-)?(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)", label)
+    if match and 0 <= float(match.group(3)) < 1:
+        return MethodSpec(label, match.group(2), float(match.group(3)),
+                          backend="ddp" if match.group(1) else "mpi")
+    if label in ("ddp-dense", "ddp-fp16"):
+        return MethodSpec(label, label[4:], baseline_ratio, backend="ddp")
+    match = re.fullmatch(r"ddp-powersgd-([1-9]\d*)", label)
+    if match:
+        return MethodSpec(label, "powersgd", baseline_ratio, backend="ddp",
+                          powersgd_rank=int(match.group(1)))
+    raise ValueError(f"unknown method label {label!r}: use {_LABELS}")
+
+
+def expand_methods(labels):
+    """Labels with presets (``ddp``, ``default``) expanded in place, duplicates dropped
+    (first kept), every label checked (``ValueError`` names an unknown one)."""
+    out = []
+    for label in labels:
+        for one in METHOD_PRESETS.get(label, (label,)):
+            parse_method(one)
+            if one not in out:
+                out.append(one)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------- arithmetic
@@ -172,6 +226,8 @@ def summarize_run(result, spec, world):
     return {
         "label": spec.label, "method": spec.method, "ratio": spec.ratio,
         "topk_ratio": spec.topk_ratio if spec.method == "topk" else None,
+        "backend": spec.backend, "launcher": "torchrun" if spec.backend == "ddp" else "mpirun",
+        "powersgd_rank": spec.powersgd_rank if spec.method == "powersgd" else None,
         "parameters": result["parameters"], "density": result["density"],
         "pretrained_accuracy": result["pretrained_accuracy"],
         "final_accuracy": result["final_accuracy"],
@@ -191,12 +247,19 @@ def summarize_run(result, spec, world):
     }
 
 
-def add_tta(runs, target_fraction, reference="dense-fp32", baselines=BASELINES):
-    """Set the target from ``runs[reference]`` and fill every run's ``tta_seconds``,
-    ``tta_train_seconds``, ``tta_epoch``, ``reached_target`` and ``speedup_vs_<baseline>``
-    (wall-clock and ``train_`` variants) in place; returns the target (None without a
-    finished reference run)."""
-    ref = runs.get(reference)
+def reference_label(runs, references=REFERENCES):
+    """The run the TTA target comes from: the first of ``references`` that ran (dense fp32,
+    else DDP's default all-reduce), else ``references[0]``."""
+    return next((label for label in references if label in runs), references[0])
+
+
+def add_tta(runs, target_fraction, reference=None, baselines=BASELINES + (DDP_BASELINE,)):
+    """Set the target from ``runs[reference]`` (default :func:`reference_label`) and fill every
+    run's ``tta_seconds``, ``tta_train_seconds``, ``tta_epoch``, ``reached_target`` and
+    ``speedup_vs_<baseline>`` (wall-clock and ``train_`` variants; None when the baseline did
+    not run or reach the target) in place; returns the target (None without a finished
+    reference run)."""
+    ref = runs.get(reference or reference_label(runs))
     target = (target_fraction * ref["final_accuracy"]
               if ref and ref.get("final_accuracy") is not None else None)
     for run in runs.values():
@@ -216,11 +279,11 @@ def add_tta(runs, target_fraction, reference="dense-fp32", baselines=BASELINES):
     return target
 
 
-def tta_sensitivity(runs, fractions=SENSITIVITY_FRACTIONS, reference="dense-fp32"):
+def tta_sensitivity(runs, fractions=SENSITIVITY_FRACTIONS, reference=None):
     """``{fraction: {label: speedup vs reference}}`` for several target fractions: how much the
     verdict depends on the target, which is coarse here (epoch-granular TTA, and one test
-    sample is 0.22% of the digits test set)."""
-    ref = runs.get(reference)
+    sample is 0.22% of the digits test set). ``reference``: see :func:`reference_label`."""
+    ref = runs.get(reference or reference_label(runs))
     if not ref or ref.get("final_accuracy") is None:
         return {}
     table = {}
@@ -237,6 +300,7 @@ def derive(report, target_fraction):
     in place (``--replot`` uses it to re-evaluate an earlier run at another target)."""
     report["config"]["target_fraction"] = target_fraction
     for block in report["rates"].values():
+        block["reference"] = reference_label(block["runs"])
         block["target_accuracy"] = add_tta(block["runs"], target_fraction)
         block["tta_sensitivity"] = tta_sensitivity(block["runs"])
     return report
@@ -250,8 +314,13 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
             "--epochs", str(cfg["epochs"]), "--batch-size", str(cfg["batch_size"]),
             "--lr", str(cfg["lr"]), "--seed", str(seed), "--no-progress", "--json", str(json_path)]
     if spec is not None:
-        argv += ["--method", spec.method, "--ratio", str(spec.ratio),
-                 "--topk-ratio", str(spec.topk_ratio)]
+        argv += ["--method", spec.method, "--ratio", str(spec.ratio)]
+        if spec.backend == "ddp":
+            argv += ["--backend", "ddp"]
+            if spec.method == "powersgd":
+                argv += ["--powersgd-rank", str(spec.powersgd_rank)]
+        else:
+            argv += ["--topk-ratio", str(spec.topk_ratio)]
     return argv
 
 
@@ -279,15 +348,22 @@ def _say(message, echo):
         print(f"bench train: {message}", file=sys.stderr, flush=True)
 
 
+def job_command(cfg, spec, rate, pretrained, json_path, seed=0):
+    """``(argv, ranks, options)`` of one training job for :func:`pacmpi.launch.run_command`:
+    MPI rows under ``mpirun`` (oversubscribed), ``ddp-*`` rows under ``torchrun``, both on the
+    test bed when ``rate`` is not ``"none"``."""
+    ddp = spec.backend == "ddp"
+    return (_train_argv(cfg, spec, pretrained, json_path, seed), cfg["ranks"],
+            {"link": rate, "oversubscribe": not ddp, "torchrun": ddp})
+
+
 def _launch(cfg, spec, rate, pretrained, workdir, seed, tolerance, timeout, echo):
     """One training job; returns ``(record or None, calibration, error message or None)``.
     ``CalibrationError``/``TestbedError`` propagate (they concern the whole rate)."""
-    from pacmpi.launch import run_command
-
     json_path = Path(workdir) / f"{rate}_{spec.label}.json".replace("%", "pct")
     started = time.perf_counter()
-    result = run_command(_train_argv(cfg, spec, pretrained, json_path, seed), cfg["ranks"],
-                         link=rate, oversubscribe=True, tolerance=tolerance, timeout=timeout,
+    argv, ranks, options = job_command(cfg, spec, rate, pretrained, json_path, seed)
+    result = run_command(argv, ranks, **options, tolerance=tolerance, timeout=timeout,
                          capture=True, echo=False)
     seconds = time.perf_counter() - started
     if result.returncode != 0 or not json_path.exists():
@@ -304,8 +380,6 @@ def _launch(cfg, spec, rate, pretrained, workdir, seed, tolerance, timeout, echo
 
 def _run_rate(cfg, specs, rate, pretrained, workdir, seed, tolerance, timeout, echo):
     """Every method at one rate; a refused or failed test bed ends the rate (no results)."""
-    from pacmpi.launch import CalibrationError, TestbedError
-
     block = {"status": "ok", "error": None, "calibration": [], "runs": {}, "failed": {}}
     for spec in specs:
         _say(f"{rate:>8} {spec.label:<22} running", echo)
@@ -349,9 +423,11 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     of the dense/fp16/TopK baselines; ``target_fraction``: TTA target as a fraction of the dense
     fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
     nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
-    cached (default ``$XDG_CACHE_HOME/pacmpi`` or ``~/.cache/pacmpi``).
+    cached (default ``$XDG_CACHE_HOME/pacmpi`` or ``~/.cache/pacmpi``). The plots are named
+    after the JSON file: ``out_dir/<json stem>_<plot>.png`` (``bench_train_tta_speedup.png``).
     """
     started = time.perf_counter()
+    methods = expand_methods(methods)
     specs = [parse_method(m, baseline_ratio) for m in methods]
     cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
            "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs}
@@ -372,7 +448,8 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                    "sweep_ratios": list(sweep_ratios), "sweep_rate": sweep_rate,
                    "baseline_ratio": baseline_ratio, "target_fraction": target_fraction,
                    "tolerance": tolerance, "seed": seed, "pretrained": str(pretrained)},
-        "notes": list(notes), "rates": {}, "ratio_sweep": None, "plots": {},
+        "notes": list(notes) + (DDP_NOTES if any(s.backend == "ddp" for s in specs) else []),
+        "rates": {}, "ratio_sweep": None, "plots": {},
     }
     with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
         for rate in rates:
@@ -383,7 +460,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                                            pretrained, workdir, seed, tolerance, timeout, echo)
     derive(report, target_fraction)
     if plots:
-        report["plots"] = write_plots(report, out_dir)
+        report["plots"] = write_plots(report, out_dir, prefix=json_path.stem)
     report["total_seconds"] = time.perf_counter() - started
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)
@@ -396,6 +473,8 @@ def _sweep(cfg, ratios, rate, blocks, pretrained, workdir, seed, tolerance, time
     run (nothing is pruned, so PacTrain sends exactly dense's values)."""
     existing = {}
     for run in blocks.get(rate, {}).get("runs", {}).values():
+        if run.get("backend", "mpi") != "mpi":
+            continue  # the sweep is the MPI PacTrain's
         if run["method"] == "pactrain" or (run["method"] == "dense" and run["ratio"] == 0):
             existing.setdefault(run["ratio"], run)
     points, missing = [], [r for r in ratios if r not in existing]
@@ -435,29 +514,34 @@ def format_table(report):
             lines.append(f"  calibration: {cal['link_bps'] / 1e6:.1f} Mbit/s = {cal['ratio']:.1%} "
                          f"of nominal (first run; {len(block['calibration'])} runs calibrated, "
                          f"min {min(c['ratio'] for c in block['calibration']):.1%})")
+        reference = block.get("reference", "dense-fp32").replace("-", " ")
         lines.append(f"  target accuracy {_fmt(block['target_accuracy'], '.4f')} "
-                     f"({report['config']['target_fraction']:.0%} of dense fp32 final)")
-        lines.append(f"  {'method':<22} {'final':>6} {'TTA s':>7} {'x fp32':>6} {'x fp16':>6} "
+                     f"({report['config']['target_fraction']:.0%} of {reference} final)")
+        ddp = DDP_BASELINE in block["runs"]  # a speedup column against DDP's default
+        w = max([22] + [len(label) for label in block["runs"]])
+        lines.append(f"  {'method':<{w}} {'final':>6} {'TTA s':>7} {'x fp32':>6} {'x fp16':>6} "
+                     + (f"{'x ddp':>6} " if ddp else "") +
                      f"{'samples/s [95%]':>19} {'step ms':>7} {'comp':>6} {'pack':>5} "
                      f"{'comm':>6} {'unpk':>5} {'bytes/step':>11} {'fb':>3}")
         for label, run in block["runs"].items():
             t, th = run["step_seconds"], run["throughput"]
             tta = _fmt(run["tta_seconds"], "7.1f", "never")
             lines.append(
-                f"  {label:<22} {run['final_accuracy']:>6.4f} {tta:>7} "
+                f"  {label:<{w}} {run['final_accuracy']:>6.4f} {tta:>7} "
                 f"{_fmt(run['speedup_vs_dense_fp32'], '6.2f'):>6} "
                 f"{_fmt(run['speedup_vs_dense_fp16'], '6.2f'):>6} "
-                f"{th['mean']:>7.0f} [{th['ci95_low']:>4.0f},{th['ci95_high']:>5.0f}] "
+                + (f"{_fmt(run.get('speedup_vs_ddp_dense'), '6.2f'):>6} " if ddp else "") +
+                f"{th['mean']:>7.0f} [{th['ci95_low']:>4.0f},{_fmt(th['ci95_high'], '5.0f'):>5}] "
                 f"{t['seconds'] * 1e3:>7.1f} {t['compute'] * 1e3:>6.1f} {t['pack'] * 1e3:>5.1f} "
                 f"{t['comm'] * 1e3:>6.1f} {t['unpack'] * 1e3:>5.1f} "
                 f"{run['bytes_per_step']:>11,.0f} {run['dense_fallbacks']:>3}")
         sensitivity = block.get("tta_sensitivity") or {}
         if sensitivity:
-            lines.append("  TTA speedup vs dense-fp32 by target ("
+            lines.append(f"  TTA speedup vs {block.get('reference', 'dense-fp32')} by target ("
                          + ", ".join(f"{float(f):.0%}" for f in sensitivity)
-                         + " of dense fp32 final):")
+                         + f" of {reference} final):")
             for label in block["runs"]:
-                lines.append(f"    {label:<22} " + " ".join(
+                lines.append(f"    {label:<{w}} " + " ".join(
                     f"{_fmt(sensitivity[f][label], '6.2f', 'never'):>6}" for f in sensitivity))
         never = [label for label, run in block["runs"].items() if not run["reached_target"]]
         if never:
@@ -475,9 +559,10 @@ def format_table(report):
     return "\n".join(lines)
 
 
-def write_plots(report, out_dir):
-    """Accuracy vs time per rate, TTA speedup per rate, step-time split and accuracy vs ratio,
-    as PNG files in ``out_dir``; returns ``{name: path}``."""
+def write_plots(report, out_dir, prefix="bench_train"):
+    """Accuracy vs time per rate, TTA speedup per rate (against dense fp32, dense fp16 and,
+    when it ran, DDP's default), step-time split and accuracy vs ratio, as PNG files
+    ``out_dir/<prefix>_<name>.png``; returns ``{name: path}``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -492,7 +577,7 @@ def write_plots(report, out_dir):
     paths = {}
 
     def save(fig, name):
-        path = out_dir / f"bench_train_{name}.png"
+        path = out_dir / f"{prefix}_{name}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -514,10 +599,12 @@ def write_plots(report, out_dir):
         axes[0][0].legend(fontsize=7)
         save(fig, "accuracy_vs_time")
 
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        baselines = BASELINES + ((DDP_BASELINE,) if any(DDP_BASELINE in b["runs"]
+                                                        for b in ok.values()) else ())
+        fig, axes = plt.subplots(1, len(baselines), figsize=(5.5 * len(baselines), 4))
         width = 0.8 / max(1, len(methods))
         missed = False
-        for ax, base in zip(axes, BASELINES):
+        for ax, base in zip(axes, baselines):
             key = "speedup_vs_" + base.replace("-", "_")
             for i, label in enumerate(methods):
                 xs, ys = [], []
@@ -528,8 +615,9 @@ def write_plots(report, out_dir):
                         xs.append(x)
                         ys.append(value)
                     elif label in block["runs"]:  # ran, but it or the baseline missed the target
+                        # y in axes coordinates: an axes without bars has no y = 0 in view.
                         ax.text(x, 0.02, "n/r", ha="center", va="bottom", fontsize=6,
-                                rotation=90)
+                                rotation=90, transform=ax.get_xaxis_transform())
                         missed = True
                 bars = ax.bar(xs, ys, width, color=colors[label])
                 ax.bar_label(bars, fmt="%.2f", fontsize=6)
@@ -541,8 +629,8 @@ def write_plots(report, out_dir):
         # Patches, not the bars: a method without any bar must still get its colour.
         axes[0].legend(handles=[Patch(color=colors[m], label=m) for m in methods], fontsize=7)
         if missed:
-            fig.text(0.5, 0.01, "n/r: the method (or the baseline) never reached the target",
-                     ha="center", fontsize=7)
+            fig.text(0.5, 0.01, "n/r: the method (or the baseline) never reached the target, "
+                                "or the baseline did not run", ha="center", fontsize=7)
         save(fig, "tta_speedup")
 
         parts = ("compute", "pack", "comm", "unpack", "verify", "optimizer")
@@ -589,6 +677,13 @@ def _words(text):
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _methods(text):
+    try:
+        return expand_methods(_words(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="pacmpi bench train",
                                                description=__doc__.split("\n")[0])
@@ -596,12 +691,16 @@ def build_parser(parser=None):
                         help="tiny model, 2 unshaped ranks, 2 epochs (a few minutes)")
     parser.add_argument("--rates", type=_words, default=None,
                         help=f"link rates; 'none' = unshaped (default {','.join(DEFAULT_RATES)})")
-    parser.add_argument("--methods", type=_words, default=DEFAULT_METHODS,
-                        help="method labels (default "  # argparse %-formats help texts
-                             + ",".join(DEFAULT_METHODS).replace("%", "%%") + ")")
+    parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
+                        help="method labels and presets, e.g. dense-fp32,dense-fp16,ddp "
+                             "(default "  # argparse %-formats help texts
+                             + ",".join(DEFAULT_METHODS).replace("%", "%%") + "; preset ddp = "
+                             + ",".join(DDP_METHODS) + ", run under torchrun)")
     parser.add_argument("--sweep-ratios", type=_floats, default=None,
                         help="pruning ratios for accuracy vs ratio; '' = none "
                              f"(default {','.join(map(str, DEFAULT_SWEEP))})")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="no accuracy-vs-ratio sweep (= --sweep-ratios '')")
     parser.add_argument("--sweep-rate", default="none")
     for key in ("ranks", "epochs", "batch_size", "pretrain_epochs", "width"):
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None,
@@ -637,7 +736,8 @@ def main(argv=None):
         with open(args.replot) as f:
             report = json.load(f)
         derive(report, args.target_fraction or report["config"]["target_fraction"])
-        report["plots"] = write_plots(report, args.out_dir)
+        report["plots"] = write_plots(report, args.out_dir,
+                                      prefix=Path(args.json or args.replot).stem)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
@@ -652,7 +752,8 @@ def main(argv=None):
     default_sweep = QUICK["sweep_ratios"] if args.quick else DEFAULT_SWEEP
     report = run_benchmark(
         rates=args.rates or default_rates, methods=args.methods,
-        sweep_ratios=default_sweep if args.sweep_ratios is None else args.sweep_ratios,
+        sweep_ratios=(() if args.no_sweep else default_sweep if args.sweep_ratios is None
+                      else args.sweep_ratios),
         sweep_rate=args.sweep_rate, baseline_ratio=args.baseline_ratio,
         target_fraction=args.target_fraction or 0.98, tolerance=args.tolerance,
         timeout=args.timeout,

@@ -1,0 +1,283 @@
+"""PacTrain as a DistributedDataParallel communication hook, and :class:`pacmpi.Collectives`
+over ``torch.distributed``::
+
+    state = PacTrainHookState(ddp_model, masks)          # masks: parameter name -> bool mask
+    ddp_model.register_comm_hook(state, pactrain_hook)
+
+Launch with torchrun (gloo on CPU, NCCL on GPU; ``dist.init_process_group()`` reads its env)::
+
+    torchrun --standalone --nproc-per-node 4 train.py
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py
+
+Each parameter is a bucket of a :class:`pacmpi.engine.StepEngine` (verification, packing,
+ternary codes, residuals); a DDP bucket sends its parameters' payloads concatenated, one async
+all-reduce per payload dtype, so results do not depend on DDP's bucketing (rebuilt after the
+first iterations, and started over by a resumed run). A step begins at DDP bucket 0 and ends
+when its last bucket is decoded; an unfinished one is abandoned at the next bucket 0.
+
+A step whose DDP layout (each bucket's parameters) was not seen complete before -- the first,
+and the one after DDP rebuilds its buckets, on every rank at once -- is agreed bucket by bucket
+(a tiny MAX all-reduce before each payload): ranks whose buckets differ raise
+LayoutMismatchError together, from ``backward()``, before posting payloads of other sizes.
+"""
+import contextlib
+import itertools
+import threading
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from pacmpi import Collectives
+from pacmpi.adapters.masks import MaskBinding
+from pacmpi.adapters.torch_sync import as_array, as_tensor, numpy_dtype
+from pacmpi.engine import BucketSpec, StepEngine
+from pacmpi.faults import ensure_abort_on_error
+from pacmpi.verify import raise_together, run_together
+
+__all__ = ["PacTrainHookState", "TorchDistCollectives", "pactrain_hook"]
+
+
+class TorchDistCollectives(Collectives):
+    """:class:`pacmpi.Collectives` over a ``torch.distributed`` process group (default: the
+    world), in place on NumPy/CuPy arrays. With NCCL, host arrays are staged through ``device``
+    (default: the current CUDA device), which is also made current for object gathers."""
+
+    word_dtypes = ("int64", "int32")
+
+    def __init__(self, process_group=None, device=None):
+        self.group = process_group
+        self.rank, self.size = dist.get_rank(process_group), dist.get_world_size(process_group)
+        self._nccl = dist.get_backend(process_group) == "nccl"
+        self.device = torch.device(device if device is not None else
+                                   torch.cuda.current_device() if self._nccl else "cpu")
+
+    def _start(self, buf, call):
+        tensor = as_tensor(buf)
+        if not (self._nccl and tensor.device.type == "cpu"):
+            return call(tensor)  # a torch Work: wait() completes it
+        staged = tensor.to(self.device)
+        work = call(staged)
+        return SimpleNamespace(wait=lambda: (work.wait(), tensor.copy_(staged)))
+
+    def iallreduce(self, buf, op="sum", name=None):
+        if op not in ("sum", "max"):
+            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+        kind = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        return self._start(buf, lambda t: dist.all_reduce(t, kind, self.group, async_op=True))
+
+    def allreduce(self, buf, op="sum", name=None):
+        self.iallreduce(buf, op).wait()
+
+    def bcast(self, buf, root=0, name=None):
+        self._start(buf, lambda t: dist.broadcast(t, group=self.group, group_src=root,
+                                                  async_op=True)).wait()
+
+    def allgather_object(self, obj, name=None):
+        out = [None] * self.size
+        with torch.cuda.device(self.device) if self._nccl else contextlib.nullcontext():
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _on_stream(tensor):
+    """CuPy work on the current torch stream of ``tensor``'s device (nothing on CPU)."""
+    if tensor.device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream)
+
+
+class PacTrainHookState:
+    """State of :func:`pactrain_hook` for one DDP model (the DDP module or the one it wraps).
+
+    ``masks``: parameter name (``torch.nn.utils.prune``'s logical names work too) -> bool or
+    0/1 mask of its shape, re-read at every verification; ``quantize``: ``None`` or
+    ``"ternary"``; ``average`` as DDP's default hook; other options as
+    :class:`pacmpi.PacTrainReducer`'s. Construction is collective (bad input: RankInputError on
+    every rank). Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks
+    first). Pickling drops the process group and the model: :meth:`bind` the new model.
+    """
+
+    def __init__(self, model, masks, *, process_group=None, quantize=None, average=True,
+                 stable_steps=1, verify_every=1, on_mismatch="raise", error_feedback=True,
+                 seed=0, abort_on_error=None):
+        self.process_group, self._collectives, self._specs, self._params = (process_group, None,
+                                                                            None, None)
+        self._lock, error = threading.Lock(), None
+        try:  # collectives are made after _bind, on the model's device
+            if quantize not in (None, "ternary"):
+                raise ValueError(f"quantize must be None or 'ternary', got {quantize!r}")
+            self._bind(model, masks)
+            self.engine = StepEngine(
+                self.collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel()) for n, p in
+                                   zip(self._names, self._params)], layout=self._specs,
+                quantize=quantize, average=average, seed=seed, verify_every=verify_every,
+                on_mismatch=on_mismatch, stable_steps=stable_steps,
+                error_feedback=error_feedback, word_dtype="int64")
+            self._flat_masks()
+        except (TypeError, ValueError) as exc:
+            error = exc
+        ensure_abort_on_error(abort_on_error, size=self.collectives.size)
+        raise_together(self.collectives, error)
+
+    step = property(lambda self: self.engine.step, doc="Completed steps.")
+    stats = property(lambda self: self.engine.stats)
+
+    @property
+    def collectives(self):
+        if self._collectives is None:
+            device = self._params[0].device if self._params else None
+            self._collectives = TorchDistCollectives(self.process_group, device)
+        return self._collectives
+
+    # ------------------------------------------------------------------ parameters and masks
+    def bind(self, model):
+        """Bind to ``model`` (after unpickling); its parameters must match. Collective."""
+        run_together(self.collectives, self._bind, model, self._named_masks)
+
+    def _bind(self, model, masks):
+        module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+            else model
+        named = list(module.named_parameters())
+        specs = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        if self._specs not in (None, specs):
+            raise ValueError(f"the model's parameters (name, shape, dtype) differ from the "
+                             f"state's; first: {[s for s in specs if s not in self._specs][:3]}")
+        self._bound = MaskBinding(named, masks, module)
+        self._named_masks = masks  # kept through pickling, for bind()
+        self._names, self._params, self._specs = self._bound.names, self._bound.params, specs
+        self._slot = {id(p): i for i, p in enumerate(self._params)}
+        # _layout: [(parameter ids, slots)] per DDP bucket of the last complete step, or None;
+        # _current: the same for the step in progress (None between steps).
+        self._layout = self._current = None
+        self._trusted, self._open, self._saw_last = False, set(), False
+
+    def _flat_masks(self):
+        """Each parameter's bool mask, flat in the parameter's memory order (DDP's order)."""
+        return [self._bound.flat(i, memory_order=True) for i in range(len(self._params))]
+
+    def _write_masks(self, flats):
+        """``on_mismatch="resync"``: store rank 0's masks into this rank's mask tensors."""
+        for index, flat in enumerate(flats):
+            if flat is not None:
+                self._bound.store(index, flat, memory_order=True)
+
+    # ------------------------------------------------------------------ the hook
+    def _check_bucket(self, bucket, index, last):
+        """Agree across ranks on DDP bucket ``index``'s parameters; returns their slots."""
+        error, slots, offset, buffer = None, [], 0, bucket.buffer()
+        try:
+            for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                if id(param) not in self._slot or param.dtype != buffer.dtype:
+                    raise ValueError(f"DDP bucket {index} holds a {tuple(param.shape)} "
+                                     f"{param.dtype} parameter this state is not bound to")
+                if param.numel() and grad.data_ptr() != buffer[offset:].data_ptr():
+                    raise ValueError(f"DDP bucket {index}'s gradients are not its buffer's views")
+                slots.append(self._slot[id(param)])
+                offset += param.numel()
+        except ValueError as exc:
+            error = exc
+        self.engine.agree_layout(f"DDP bucket {index}", [self._names[s] for s in slots]
+                                 + ["(last)" if last else "(not last)"], error)
+        return tuple(slots)
+
+    def _hook(self, bucket):
+        index, last, buffer = bucket.index(), bucket.is_last(), bucket.buffer()
+        self.engine.collectives = self.collectives  # rebuilt after unpickling
+        ids = tuple(map(id, bucket.parameters()))
+        if index == 0 and self._current is not None:  # the last step never finished
+            self.engine.abandon_step()
+            self._current, self._open, self._saw_last = None, set(), False
+        if index != 0 and self._current is None:
+            raise RuntimeError(f"DDP bucket {index} reduced outside a step (bucket 0 failed?)")
+        known = self._layout if index == 0 or self._trusted else None
+        self._trusted = bool(known) and index < len(known) and known[index][0] == ids and (
+            index == len(known) - 1) == last
+        slots = known[index][1] if self._trusted else self._check_bucket(bucket, index, last)
+        if index == 0:
+            self.engine.begin_step(self._flat_masks, None, self._write_masks)
+            self._current = []
+        self._current.append((ids, slots))
+        ends = list(itertools.accumulate(self.engine.buckets[s].size for s in slots))
+        views = [as_array(buffer[e - self.engine.buckets[s].size:e]) for s, e in zip(slots, ends)]
+        with _on_stream(buffer):
+            self.engine.agree_scales(dict(zip(slots, views)))  # ternary: one MAX all-reduce
+            with self._lock:
+                encoded = [self.engine.encode(s, v) + (v,) for s, v in zip(slots, views)]
+        payloads, parts = [buffer], encoded  # all dense: reduce the bucket itself, in place
+        if any(ctx.kind != "dense" for _, ctx, _ in encoded):
+            payloads, parts, groups = [], [], {}
+            for wire, ctx, view in encoded:
+                ctx.kind = "float" if ctx.kind == "dense" else ctx.kind  # sent as a copy
+                groups.setdefault(wire.dtype, []).append((wire, ctx, view))
+            for items in groups.values():
+                payloads.append(torch.cat([as_tensor(wire) for wire, _, _ in items]))
+                ends = itertools.accumulate(wire.size for wire, _, _ in items)
+                parts += [(as_array(payloads[-1][e - w.size:e]), c, v)
+                          for e, (w, c, v) in zip(ends, items)]
+        generation = self.engine.generation
+        self._open.add(index)  # before _saw_last: a decode must not end the step early
+        self._saw_last |= last
+        futures = [dist.all_reduce(p, group=self.process_group, async_op=True).get_future()
+                   for p in payloads if p.numel()]
+
+        def finish(done):  # runs on the transport's thread: no collectives here
+            for future in done.value():
+                future.value()  # re-raises a failed all-reduce
+            with _on_stream(buffer), self._lock:
+                for wire, ctx, view in parts:
+                    self.engine.decode(wire, ctx, view)
+                if generation == self.engine.generation:
+                    self._open.discard(index)
+                    if self._saw_last and not self._open:
+                        self.engine.end_step()
+                        self._layout, self._current, self._saw_last = self._current, None, False
+            return buffer
+
+        return torch.futures.collect_all(futures).then(finish)
+
+    # ------------------------------------------------------------------ checkpoints, pickling
+    def state_dict(self):
+        """Step, mask tracker, error-feedback residuals (host arrays by parameter name),
+        counters and the parameters' (name, shape, dtype). Between steps only."""
+        if self._current is not None:
+            raise RuntimeError("PacTrainHookState.state_dict() during a step")
+        state = self.engine.state_dict()
+        state["residuals"] = {self._names[b]: r for b, r in state["residuals"].items()}
+        return dict(state, params=self._specs)
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output. Collective: fails on every rank together (other
+        parameters, quantize mode, or masks than the checkpoint's), changing nothing."""
+        apply = run_together(self.collectives, self._loader, state,
+                             errors=(TypeError, ValueError, KeyError))
+        if self._current is not None:
+            self.engine.abandon_step()
+        self._current, self._open, self._saw_last = None, set(), False
+        apply()
+
+    def _loader(self, state):
+        if [(n, tuple(s), d) for n, s, d in state["params"]] != self._specs:
+            raise ValueError("checkpoint parameters (name, shape, dtype) differ from the model's")
+        index = {name: i for i, name in enumerate(self._names)}
+        self.engine.collectives = self.collectives
+        return self.engine.loader(dict(state, residuals={
+            index[n]: r for n, r in state["residuals"].items()}), self._flat_masks())
+
+    def __getstate__(self):
+        state = dict(self.__dict__, _layout=None, _current=None, _open=set(), _saw_last=False)
+        state.update(dict.fromkeys(("process_group", "_collectives", "_lock", "_params",
+                                    "_slot", "_bound"), None))
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
+
+
+def pactrain_hook(state, bucket):
+    """DDP communication hook: ``ddp_model.register_comm_hook(state, pactrain_hook)`` with a
+    :class:`PacTrainHookState`; a future of the averaged bucket, pruned coordinates exactly 0."""
+    if state._params is None:
+        raise RuntimeError("PacTrainHookState was unpickled: call state.bind(model) first")
+    return state._hook(bucket)

@@ -1,0 +1,90 @@
+"""Binding user masks (keyed by parameter name) to a list of bound parameters, for the
+framework adapters that hand per-parameter masks to :class:`pacmpi.engine.StepEngine`."""
+from collections.abc import Mapping
+
+import torch
+
+from pacmpi.adapters.pruning import named_prunable_parameters
+from pacmpi.adapters.torch_sync import as_array, as_tensor
+
+__all__ = ["MaskBinding"]
+
+
+def _every_parameter(name, param):
+    """``include=`` for named_prunable_parameters: any parameter may carry a mask here."""
+    return True
+
+
+class MaskBinding:
+    """Masks of bound ``(name, parameter)`` pairs, resolved by name.
+
+    A mask key is a bound name or, when ``module`` is given, a logical name of
+    :func:`pacmpi.adapters.pruning.named_prunable_parameters` that leads to a bound parameter
+    under another name (``"fc.weight"`` of a ``torch.nn.utils.prune`` module names
+    ``fc.weight_orig``, the leaf that receives ``.grad``). The mask objects are kept, not
+    copied, so in-place changes (gradual pruning) are seen at the next :meth:`flat`.
+    """
+
+    def __init__(self, named_parameters, masks, module=None):
+        self.names = [name for name, _ in named_parameters]
+        self.params = [param for _, param in named_parameters]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("parameter names must be unique")
+        self._keys = {name: index for index, name in enumerate(self.names)}
+        if module is not None:
+            index_of = {id(param): index for index, param in enumerate(self.params)}
+            for name, param in named_prunable_parameters(module, include=_every_parameter).items():
+                if id(param) in index_of:
+                    self._keys.setdefault(name, index_of[id(param)])
+        self.masks = self.resolve(masks)
+
+    def resolve(self, masks):
+        """``masks`` (name -> mask) keyed by parameter index; raises naming bad keys."""
+        if not isinstance(masks, Mapping):
+            raise TypeError(f"masks must be a mapping from parameter name to mask, got "
+                            f"{type(masks).__name__}")
+        unknown = [key for key in masks if key not in self._keys]
+        if unknown:
+            aliases = sorted(k for k in self._keys if k not in self.names)
+            raise ValueError(f"masks name parameters that are not bound: {unknown}; keys are "
+                             f"the bound parameter names or, when the nn.Module is given, "
+                             f"torch.nn.utils.prune's logical names (known here: {aliases})")
+        resolved, keys = {}, {}
+        for key, mask in masks.items():
+            index = self._keys[key]
+            if index in resolved:
+                raise ValueError(f"masks {keys[index]!r} and {key!r} both name parameter "
+                                 f"{self.names[index]!r}")
+            resolved[index], keys[index] = mask, key
+        return resolved
+
+    def flat(self, index, memory_order=False):
+        """Parameter ``index``'s current mask as a flat bool NumPy/CuPy array on the
+        parameter's device, or ``None``; raises ValueError for a wrong shape or non-0/1.
+
+        ``memory_order``: flatten in the order of the parameter's storage (channels-last
+        parameters, as DDP's bucket views lay out their gradients), not its logical order."""
+        mask = self.masks.get(index)
+        if mask is None:
+            return None
+        name, param = self.names[index], self.params[index]
+        mask = torch.as_tensor(mask, device=param.device)
+        if tuple(mask.shape) != tuple(param.shape):
+            raise ValueError(f"mask of {name!r} has shape {tuple(mask.shape)}, the parameter "
+                             f"has {tuple(param.shape)}")
+        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"mask of {name!r} must be boolean or 0/1")
+        mask = mask != 0
+        if memory_order and not param.is_contiguous():
+            mask = torch.empty_like(param, dtype=torch.bool).copy_(mask).as_strided(
+                (param.numel(),), (1,))
+        return as_array(mask.reshape(-1))
+
+    def store(self, index, flat, memory_order=False):
+        """Write a flat mask (as :meth:`flat` returns it) into parameter ``index``'s mask."""
+        param, target = self.params[index], torch.as_tensor(self.masks[index])
+        flat = as_tensor(flat)
+        if memory_order and not param.is_contiguous():
+            target.copy_(flat.as_strided(param.shape, param.stride()))
+        else:
+            target.copy_(flat.reshape(param.shape))

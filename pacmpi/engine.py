@@ -1,0 +1,617 @@
+"""StepEngine: the per-step PacTrain logic that every front end shares.
+
+A front end (the :class:`pacmpi.PacTrainReducer` over gradient lists, Horovod's compressor over
+single tensors, a DDP communication hook over DDP buckets) maps its unit of work onto numbered
+*buckets*: flat arrays of a fixed dtype and size. The engine owns everything else, once:
+
+- the masks' tracker state and the cross-rank verification at the start of a step (one tiny
+  MAX all-reduce; errors raised on every rank together; ``on_mismatch="resync"`` adopts rank
+  0's masks);
+- encoding a bucket into the payload its framework all-reduces (dense with the mask applied,
+  packed survivors, float16, or ternary codes in summable integer words with error-feedback
+  residuals and the counter-based RNG), and decoding the reduced payload back into the bucket;
+- the step counter, abandoned steps, counters and ``state_dict``.
+
+The front end runs the payload's all-reduce itself (MPI ``Iallreduce``, Horovod's background
+thread, a DDP future): ``encode`` returns the payload and a context, ``decode`` takes both back.
+"""
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+from .arrays import array_module, to_host
+from .errors import LayoutMismatchError, MaskMismatchError
+from .hashing import digest_ints
+from .ternary import TernaryCodec, ternary_key
+from .tracker import MaskTracker
+from .verify import agree, gather_details, offending_ranks, raise_together
+
+__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES",
+           "COUNTERS"]
+
+QUANTIZE_MODES = (None, "fp16", "ternary")
+MISMATCH_POLICIES = ("raise", "resync")
+_QUANTIZE_CODES = {None: 0, "fp16": 1, "ternary": 2}
+_MAGIC = 0x7AC9
+_STRUCTURE_FIELDS = ("magic", "step", "buckets", "elements", "layout0", "layout1", "layout2",
+                     "layout3", "quantize", "average", "word")
+_MASK_FIELDS = ("mask0", "mask1", "mask2", "mask3", "survivors", "version")
+COUNTERS = ("steps", "verifications", "bytes_sent", "dense_elements_equivalent",
+            "dense_bytes_equivalent", "packed_reductions", "dense_reductions", "dense_fallbacks",
+            "resyncs", "nonfinite_fallbacks", "abandoned_steps", "verify_seconds",
+            "pack_seconds", "comm_seconds", "unpack_seconds")
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One unit of reduction: a flat array of ``size`` elements of ``dtype``, called ``name``
+    in error messages."""
+
+    name: str
+    dtype: np.dtype
+    size: int
+
+
+@dataclass
+class Encoded:
+    """What :meth:`StepEngine.decode` needs besides the reduced payload.
+
+    ``kind`` is ``"dense"`` (the payload is the bucket, reduced in place), ``"float"`` (a
+    separate float payload: packed survivors, float16, or an unquantized non-finite bucket) or
+    ``"ternary"``. ``residual`` is the error-feedback residual to keep once the result is back,
+    so an abandoned step leaves the residuals as they were.
+    """
+
+    bucket: int
+    kind: str
+    indices: object
+    generation: int
+    scale: float = None
+    count: int = 0
+    residual: object = None
+
+
+class _Residual:
+    """Error-feedback residual of one bucket, aligned with its payload: full length while the
+    bucket is reduced dense, survivor-compact while packed (``indices``). ``spare`` is the
+    buffer the next encode writes into, swapped in when its result is decoded."""
+
+    __slots__ = ("values", "indices", "spare")
+
+    def __init__(self, values, indices):
+        self.values, self.indices, self.spare = values, indices, None
+
+    def aligned(self, xp, indices, size):
+        """The residual laid out for ``indices`` (``None``: dense over ``size`` elements)."""
+        if self.indices is indices:
+            return self.values
+        full = self.values
+        if self.indices is not None:
+            full = xp.zeros(size, dtype=self.values.dtype)
+            full[self.indices] = self.values
+        self.values = full if indices is None else full[indices]
+        self.indices, self.spare = indices, None
+        return self.values
+
+    def full(self, xp, size):
+        if self.indices is None:
+            return self.values
+        full = xp.zeros(size, dtype=self.values.dtype)
+        full[self.indices] = self.values
+        return full
+
+
+def _float_bits(value):
+    """Non-negative float -> int64 of its float64 bits; NaN -> Inf's (the scale is never NaN)."""
+    value = math.inf if math.isnan(value) else value
+    return int(np.array(value, dtype=np.float64).view(np.int64))
+
+
+def _bits_float(bits):
+    return float(np.array(bits, dtype=np.int64).view(np.float64))
+
+
+def _compute_dtype(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+class StepEngine:
+    """Mask tracking, verification, encoding and state for a fixed set of buckets.
+
+    Parameters
+    ----------
+    collectives:
+        The :class:`pacmpi.Collectives` the engine's own small collectives (verification,
+        ternary scales, resync broadcasts) run on; calls carry a ``name`` for transports that
+        match collectives by name (Horovod).
+    buckets:
+        :class:`BucketSpec` list, identical on every rank (verified).
+    layout:
+        Hashable description of how the front end maps its tensors onto buckets (shapes,
+        names); its digest is verified too, so ranks that bucket differently fail together.
+    quantize, average, verify_every, on_mismatch, stable_steps, error_feedback, seed:
+        As documented on :class:`pacmpi.PacTrainReducer`.
+    word_dtype:
+        Ternary word type: ``"int64"``, ``"int32"``, or ``"uint64"`` (densest; needs an
+        unsigned 64-bit SUM, which MPI has and Horovod/torch do not). ``"auto"`` picks uint64
+        where ``collectives.word_dtypes`` offers it.
+    """
+
+    def __init__(self, collectives, buckets, *, layout=(), quantize=None, average=True,
+                 verify_every=1, on_mismatch="raise", stable_steps=1, error_feedback=True,
+                 seed=0, word_dtype="auto"):
+        if quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+        if on_mismatch not in MISMATCH_POLICIES:
+            raise ValueError(
+                f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
+        if not isinstance(verify_every, int) or verify_every < 1:
+            raise ValueError(f"verify_every must be a positive integer, got {verify_every!r}")
+        self.collectives = collectives
+        self.buckets = tuple(buckets)
+        self.layout = list(layout)
+        self.quantize, self.average = quantize, bool(average)
+        self.verify_every, self.on_mismatch = verify_every, on_mismatch
+        self.error_feedback, self.seed = bool(error_feedback), int(seed)
+        self.tracker = MaskTracker(len(self.buckets), stable_steps=stable_steps)
+        if word_dtype == "auto":
+            word_dtype = "uint64" if "uint64" in getattr(collectives, "word_dtypes", ()) \
+                else "int64"
+        self.codec = TernaryCodec(collectives.size, word_dtype) if quantize == "ternary" else None
+        self.word_dtype = word_dtype
+        self.step = 0
+        self.generation = 0
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self._residuals = {}
+        self._scales = {}
+        self._clear_caches()
+
+    def _clear_caches(self):
+        # Reusable payload buffers and the last agreed mask snapshots with their fingerprints;
+        # rebuilt on demand, so never pickled.
+        self._buffers, self._snapshots = {}, {}
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["collectives"] = None
+        del state["_buffers"], state["_snapshots"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._clear_caches()
+
+    # ------------------------------------------------------------------ steps
+    def verification_due(self):
+        return self.step % self.verify_every == 0
+
+    def begin_step(self, read_masks, local_error=None, write_masks=None, scale_flats=None):
+        """Start a step: verify when due, then every rank knows which buckets it packs.
+
+        ``read_masks()`` returns each bucket's current flat boolean mask (an array of the
+        bucket's module, or ``None`` for an unmasked bucket); it is called only on verified
+        steps and only when ``local_error`` is ``None``. ``local_error`` (an exception found by
+        the front end's own input checks) is raised on every rank as a RankInputError.
+        ``write_masks(flats)`` stores rank 0's masks during a resync. ``scale_flats()``, when
+        every bucket's gradient is already at hand (bucket -> flat), lets a ternary step agree
+        on its scales inside the verification all-reduce instead of in one of their own.
+        """
+        if not self.verification_due():
+            if local_error is not None:
+                raise local_error
+            return
+        started = time.perf_counter()
+        fields = dict.fromkeys(_STRUCTURE_FIELDS + _MASK_FIELDS, 0)
+        flats = observations = None
+        if local_error is None:
+            try:
+                flats = self._checked_flats(read_masks())
+            except (TypeError, ValueError) as exc:
+                local_error = exc
+        fields["input_error"] = 0 if local_error is None else 1
+        if local_error is None:
+            flats, observations = self._observe(flats)
+            fields.update(self._fields(observations))
+        fused = self._steady_buckets() if scale_flats is not None else {}
+        fields.update(self._scale_fields(fused, scale_flats if local_error is None else None))
+        mismatched, maxima = agree(self.collectives, fields)
+        self.stats["verifications"] += 1
+        if "input_error" in mismatched or fields["input_error"]:
+            raise_together(self.collectives, local_error)
+        structure = [f for f in mismatched if f in _STRUCTURE_FIELDS]
+        masks_differ = [f for f in mismatched if f in _MASK_FIELDS]
+        if structure:
+            self._raise_mismatch(LayoutMismatchError, structure, observations)
+        if masks_differ and (self.on_mismatch == "raise" or write_masks is None):
+            self._raise_mismatch(MaskMismatchError, masks_differ, observations)
+        if masks_differ:
+            flats, observations = self._resync(flats, read_masks, write_masks)
+            self.tracker.reset(version=maxima["version"])
+            self.stats["resyncs"] += 1
+        self.tracker.commit(self.step, observations, flats)
+        if not masks_differ:
+            for b, state in enumerate(self.tracker.buckets):
+                if self.tracker.ready_to_pack(b):
+                    state.indices = array_module(state.mask).flatnonzero(state.mask)
+            # The scales hold where each bucket is sent as it was when they were computed.
+            self._scales = {b: _bits_float(maxima[f"scale{b}"]) for b, indices in fused.items()
+                            if self.packed_indices(b) is indices}
+        self.stats["verify_seconds"] += time.perf_counter() - started
+
+    def _steady_buckets(self):
+        """Ternary buckets whose payload the last agreed verification fixed (packed, or
+        unmasked, or with nothing pruned), as bucket -> survivor indices. Every rank finds the
+        same ones; none before a first agreed verification, whose layout they rely on."""
+        if self.quantize != "ternary" or self.tracker.last_commit_step is None:
+            return {}
+        return {b: state.indices for b, state in enumerate(self.tracker.buckets)
+                if self._payload_count(b) and (state.indices is not None or state.mask is None
+                                               or state.survivors == self.buckets[b].size)}
+
+    def _scale_fields(self, fused, scale_flats):
+        """``scale<b>`` fields: each local absmax's float64 bits as int64 (for non-negative
+        floats the integer order is the float order, so MAX over the bits is the MAX scale);
+        zeros when ``scale_flats`` is None (a rank with bad input: the step raises anyway)."""
+        flats = scale_flats() if fused and scale_flats is not None else {}
+        fields = {}
+        for b, indices in fused.items():
+            scale = 0.0
+            if flats:
+                flat = flats[b]
+                residual = self._residual_for(b, array_module(flat),
+                                              _compute_dtype(flat.dtype), indices)
+                scale = kernels.absmax(array_module(flat), flat, indices, residual)
+            fields[f"scale{b}"] = _float_bits(scale)
+        return fields
+
+    def end_step(self):
+        """The step's every bucket is decoded: count it and move on."""
+        self.step += 1
+        self.stats["steps"] += 1
+        self._scales = {}
+
+    def abandon_step(self):
+        """Forget the step in progress (it keeps its number); late results of it still decode
+        but keep no residual."""
+        self.generation += 1
+        self.stats["abandoned_steps"] += 1
+        self._scales = {}
+
+    def agree_layout(self, unit, description, local_error=None):
+        """Check that every rank maps the front end's ``unit`` (e.g. ``"DDP bucket 3"``) onto
+        the same thing: ``description``, a list of hashable items such as bucket names. One
+        tiny MAX all-reduce; a difference raises LayoutMismatchError, and ``local_error`` on
+        any rank RankInputError, on every rank together. For front ends whose units of work
+        can change between steps (DDP rebuilds its buckets), before their payloads are posted.
+        """
+        fields = dict(zip(("layout0", "layout1", "layout2", "layout3"),
+                          digest_ints(list(description))),
+                      magic=_MAGIC, step=self.step, input_error=int(local_error is not None))
+        mismatched, maxima = agree(self.collectives, fields)
+        if maxima["input_error"]:
+            raise_together(self.collectives, local_error)
+        if mismatched:
+            details = gather_details(self.collectives, {"description": list(description)})
+            bad = offending_ranks(details, ["description"])
+            raise LayoutMismatchError("\n".join(
+                [f"ranks disagree on {unit} at step {self.step}; offending ranks: {bad}"]
+                + [f"rank {r} on {details[r]['host']}: {unit} is {details[r]['description']}"
+                   for r in sorted({0, *bad})]), details=details, offending_ranks=bad)
+
+    def _checked_flats(self, flats):
+        flats = list(flats)
+        if len(flats) != len(self.buckets):
+            raise ValueError(f"{len(flats)} masks for {len(self.buckets)} buckets")
+        for spec, flat in zip(self.buckets, flats):
+            if flat is not None and flat.size != spec.size:
+                raise ValueError(f"mask of {spec.name} has {flat.size} elements, the bucket "
+                                 f"has {spec.size}")
+        return flats
+
+    # ------------------------------------------------------------------ verification
+    def _observe(self, flats):
+        """Agreed-upon snapshots of ``flats`` with their (fingerprint, survivors).
+
+        An unchanged mask costs one comparison pass and reuses the previous snapshot's
+        fingerprint; the snapshot, not the caller's array, is what the step packs with.
+        """
+        snapshots, observations = [], []
+        for b, flat in enumerate(flats):
+            previous = self._snapshots.get(b)
+            if flat is None:
+                self._snapshots.pop(b, None)
+                snapshots.append(None)
+                observations.append((None, None))
+                continue
+            xp = array_module(flat)
+            if flat.dtype != np.bool_:
+                flat = flat != 0
+            if (previous is None or previous[0].shape != flat.shape
+                    or array_module(previous[0]) is not xp
+                    or not bool(xp.array_equal(previous[0], flat))):
+                snapshot = flat.copy()
+                previous = (snapshot, MaskTracker.observe(xp, snapshot))
+                self._snapshots[b] = previous
+            snapshots.append(previous[0])
+            observations.append(previous[1])
+        return snapshots, observations
+
+    def _fields(self, observations):
+        fields = {
+            "magic": _MAGIC, "step": self.step, "buckets": len(self.buckets),
+            "elements": sum(b.size for b in self.buckets),
+            "quantize": _QUANTIZE_CODES[self.quantize], "average": int(self.average),
+            "word": 0 if self.codec is None else self.codec.word_dtype.num,
+            "survivors": sum(b.size if s is None else s
+                             for b, (_, s) in zip(self.buckets, observations)),
+            "version": self.tracker.version,
+        }
+        describe = [(str(b.dtype), b.size) for b in self.buckets] + self.layout
+        fields.update(zip(("layout0", "layout1", "layout2", "layout3"), digest_ints(describe)))
+        fields.update(zip(("mask0", "mask1", "mask2", "mask3"),
+                          digest_ints([o for pair in observations for o in pair])))
+        return fields
+
+    def _descriptor(self, observations):
+        return {
+            "step": self.step, "quantize": self.quantize, "average": self.average,
+            "version": self.tracker.version, "layout": repr(self.layout),
+            "buckets": [
+                {"name": b.name, "dtype": str(b.dtype), "elements": b.size,
+                 "fingerprint": None if fp is None else f"{fp:032x}", "survivors": s}
+                for b, (fp, s) in zip(self.buckets, observations)
+            ],
+        }
+
+    def _raise_mismatch(self, error_type, fields, observations):
+        details = gather_details(self.collectives, self._descriptor(observations))
+        bad = offending_ranks(details, ["buckets", "layout", "version", "quantize", "average",
+                                        "step"])
+        lines = [f"ranks disagree on {', '.join(fields)} at step {self.step}; "
+                 f"offending ranks: {bad}"]
+        reference = {bk["name"]: bk for bk in details[0]["buckets"]}
+        for rank in sorted({0, *bad}):
+            d = details[rank]
+            sizes = [(bk["dtype"], bk["elements"], bk["survivors"]) for bk in d["buckets"]]
+            lines.append(f"rank {rank} on {d['host']}: version {d['version']}, "
+                         f"quantize {d['quantize']}, (dtype, elements, survivors) {sizes}")
+            if rank == 0:
+                continue
+            differing = [bk for bk in d["buckets"]
+                         if (bk["fingerprint"], bk["survivors"]) != tuple(
+                             reference.get(bk["name"], {}).get(k)
+                             for k in ("fingerprint", "survivors"))]
+            if differing:
+                lines.append(
+                    f"rank {rank} on {d['host']}: masks differ from rank 0's for "
+                    f"{[bk['name'] for bk in differing]}; (fingerprint, survivors) here "
+                    f"{[(bk['fingerprint'], bk['survivors']) for bk in differing]}, on rank 0 "
+                    f"{[(reference.get(bk['name'], {}).get('fingerprint'), reference.get(bk['name'], {}).get('survivors')) for bk in differing]}")
+        raise error_type("\n".join(lines), details=details, offending_ranks=bad)
+
+    def _resync(self, flats, read_masks, write_masks):
+        """Adopt rank 0's masks: broadcast each masked bucket's mask, hand it to the front end
+        to store, and observe the result."""
+        received = []
+        for b, flat in enumerate(flats):
+            if flat is None:
+                received.append(None)
+                continue
+            xp = array_module(flat)
+            wire = flat.astype(xp.uint8)
+            self.collectives.bcast(wire, root=0, name=f"pacmpi.resync.{self.buckets[b].name}")
+            received.append(wire.astype(xp.bool_))
+        write_masks(received)
+        self._snapshots.clear()
+        return self._observe(self._checked_flats(read_masks()))
+
+    # ------------------------------------------------------------------ encoding
+    def packed_indices(self, b):
+        """Survivor positions of bucket ``b`` while it is packed, else ``None``."""
+        return self.tracker.buckets[b].indices
+
+    def _payload_count(self, b):
+        indices = self.packed_indices(b)
+        return self.buckets[b].size if indices is None else indices.size
+
+    def _buffer(self, xp, key, size, dtype):
+        buf = self._buffers.get(key)
+        if buf is None or buf.size != size or buf.dtype != dtype or array_module(buf) is not xp:
+            buf = xp.empty(size, dtype=dtype)
+            self._buffers[key] = buf
+        return buf
+
+    def agree_scales(self, flats):
+        """Ternary only: agree on the scales of several buckets in one MAX all-reduce.
+
+        ``flats`` maps bucket index -> flat gradient; :meth:`encode` of those buckets in this
+        step then needs no collective of its own.
+        """
+        order = [b for b in sorted(flats) if self._payload_count(b) and b not in self._scales]
+        if self.quantize != "ternary" or not order:
+            return
+        local = np.array([self._local_absmax(b, flats[b]) for b in order])
+        self._agree(local, name=f"pacmpi.scales.{self.step}")
+        self._scales.update(zip(order, local))
+
+    def _local_absmax(self, b, flat):
+        xp = array_module(flat)
+        indices = self.packed_indices(b)
+        self._apply_mask(b, flat, indices)
+        residual = self._residual_for(b, xp, _compute_dtype(flat.dtype), indices)
+        return kernels.absmax(xp, flat, indices, residual)
+
+    def _agree(self, local, name):
+        """MAX of ``local`` (per-bucket maxima) over ranks, in place; non-finite -> inf."""
+        finite = np.isfinite(local)
+        buf = np.concatenate([np.where(finite, local, 0.0), (~finite).astype(np.float64)])
+        started = time.perf_counter()
+        self.collectives.allreduce(buf, "max", name=name)
+        self.stats["comm_seconds"] += time.perf_counter() - started
+        self.stats["bytes_sent"] += buf.nbytes
+        count = local.size
+        local[...] = np.where(buf[count:] > 0, np.inf, buf[:count])
+
+    def _apply_mask(self, b, flat, indices):
+        """GSE on the dense path: pruned coordinates of a masked bucket become exactly 0.
+        (copyto, not multiply: NaN * 0 is NaN.) Packed buckets never send them."""
+        state = self.tracker.buckets[b]
+        if indices is None and state.mask is not None and state.survivors < flat.size:
+            array_module(flat).copyto(flat, 0, where=~state.mask)
+            return True
+        return False
+
+    def _residual_for(self, b, xp, compute, indices):
+        if not self.error_feedback:
+            return None
+        size = self.buckets[b].size
+        entry = self._residuals.get(b)
+        if entry is None or entry.values.dtype != compute:
+            entry = _Residual(xp.zeros(size, dtype=compute), None)
+            self._residuals[b] = entry
+        elif array_module(entry.values) is not xp:  # restored from a checkpoint (host)
+            entry.values, entry.spare = xp.asarray(to_host(entry.values)), None
+        values = entry.aligned(xp, indices, size)
+        if indices is None and self.tracker.buckets[b].mask is not None:
+            # Residuals of coordinates a new mask prunes are dropped with them.
+            xp.copyto(values, 0, where=~self.tracker.buckets[b].mask)
+        return values
+
+    def encode(self, b, flat):
+        """Payload of bucket ``b`` from its flat gradient (which may be modified in place:
+        pruned coordinates are zeroed on the dense path) and the :class:`Encoded` context.
+
+        The payload is ``flat`` itself (dense lossless: reduce it in place) or a buffer the
+        engine owns until :meth:`decode`. Reduce it with SUM.
+        """
+        started = time.perf_counter()
+        spec = self.buckets[b]
+        xp = array_module(flat)
+        indices = self.packed_indices(b)
+        if self._apply_mask(b, flat, indices):
+            self.stats["dense_fallbacks"] += 1
+        self.stats["packed_reductions" if indices is not None else "dense_reductions"] += 1
+        self.stats["dense_elements_equivalent"] += spec.size
+        self.stats["dense_bytes_equivalent"] += spec.size * spec.dtype.itemsize
+        count = self._payload_count(b)
+        if self.quantize == "ternary" and count:
+            wire, ctx = self._encode_ternary(b, xp, flat, indices, count)
+        elif indices is not None:
+            wire = kernels.gather(xp, flat, indices, self._buffer(xp, ("packed", b), count,
+                                                                   spec.dtype))
+            ctx = Encoded(b, "float", indices, self.generation, count=count)
+        else:
+            wire, ctx = flat, Encoded(b, "dense", None, self.generation, count=count)
+        if self.quantize == "fp16" and ctx.kind != "ternary":
+            wire = wire.astype(np.float16)
+            ctx.kind = "float"
+        self.stats["bytes_sent"] += wire.nbytes
+        self.stats["pack_seconds"] += time.perf_counter() - started
+        return wire, ctx
+
+    def _encode_ternary(self, b, xp, flat, indices, count):
+        compute = _compute_dtype(flat.dtype)
+        residual = self._residual_for(b, xp, compute, indices)
+        scale = self._scales.pop(b, None)
+        if scale is None:
+            local = np.array([kernels.absmax(xp, flat, indices, residual)])
+            self._agree(local, name=f"pacmpi.scale.{self.buckets[b].name}")
+            scale = local[0]
+        if not math.isfinite(scale):
+            # NaN/Inf on some rank: send this bucket unquantized, so the non-finite values
+            # propagate exactly as on the dense path and the scale is never NaN.
+            self.stats["nonfinite_fallbacks"] += 1
+            if indices is None:
+                return flat, Encoded(b, "dense", None, self.generation, count=count)
+            wire = kernels.gather(xp, flat, indices,
+                                  self._buffer(xp, ("packed", b), count, flat.dtype))
+            return wire, Encoded(b, "float", indices, self.generation, count=count)
+        new_residual = None
+        if residual is not None:
+            entry = self._residuals[b]
+            if entry.spare is None or entry.spare.size != count:
+                entry.spare = xp.empty(count, dtype=compute)
+            new_residual = entry.spare
+        key = ternary_key(self.seed, self.step, b, self.collectives.rank)
+        words = self._buffer(xp, ("words", b), self.codec.words_for(count), self.codec.word_dtype)
+        kernels.ternary_encode(xp, flat, indices, residual, new_residual, float(scale), key,
+                               self.codec, words)
+        return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
+                              count=count, residual=new_residual)
+
+    def decode(self, wire, ctx, flat):
+        """Write the reduced ``wire`` (the payload :meth:`encode` returned, summed over ranks)
+        into bucket ``ctx.bucket``'s flat array ``flat``: averaged if configured, pruned
+        coordinates exactly 0. Keeps the error-feedback residual of a current step."""
+        started = time.perf_counter()
+        xp = array_module(flat)
+        divisor = self.collectives.size if self.average and self.collectives.size > 1 else None
+        if ctx.kind == "ternary":
+            kernels.ternary_decode(xp, wire, ctx.count, self.codec, self.collectives.size,
+                                   ctx.scale, divisor, ctx.indices, flat)
+            if ctx.residual is not None and ctx.generation == self.generation:
+                entry = self._residuals[ctx.bucket]
+                entry.values, entry.spare = ctx.residual, entry.values
+        elif ctx.kind == "dense" and divisor is None:
+            pass
+        else:
+            payload = wire if wire.dtype == flat.dtype else wire.astype(flat.dtype)
+            kernels.scatter(xp, payload, ctx.indices, flat, divisor)
+        self.stats["unpack_seconds"] += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        """Step, tracker, error-feedback residuals (full-length host arrays), counters."""
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "quantize": self.quantize,
+            "world_size": self.collectives.size,
+            "tracker": self.tracker.state_dict(),
+            "residuals": {b: to_host(entry.full(array_module(entry.values),
+                                                self.buckets[b].size)).copy()
+                          for b, entry in self._residuals.items()},
+            "stats": dict(self.stats),
+        }
+
+    def loader(self, state, flats):
+        """Check :meth:`state_dict` output against this engine and the current flat masks
+        (which must carry the checkpoint's fingerprints); returns a function that applies it.
+
+        The checks raise and change nothing, so a front end runs them on every rank together
+        (:func:`pacmpi.verify.run_together`) and applies only when every rank passed.
+        """
+        if state["quantize"] != self.quantize:
+            raise ValueError(f"checkpoint has quantize={state['quantize']!r}, "
+                             f"this one has {self.quantize!r}")
+        saved = state["tracker"]
+        snapshots, observations = self._observe(self._checked_flats(flats))
+        if saved["last_commit_step"] is not None:
+            changed = [spec.name for spec, (fp, _), entry in
+                       zip(self.buckets, observations, saved["buckets"])
+                       if entry["fingerprint"] is not None and fp != entry["fingerprint"]]
+            if changed:
+                raise ValueError(f"masks of {changed} differ from those verified at step "
+                                 f"{saved['last_commit_step']} of the checkpoint; restore the "
+                                 "checkpoint's masks before loading it")
+        tracker = MaskTracker(len(self.buckets), stable_steps=self.tracker.stable_steps)
+        tracker.load_state_dict(saved, snapshots)
+        same_world = state["world_size"] == self.collectives.size
+
+        def apply():
+            if not same_world and state["residuals"]:
+                warnings.warn(f"checkpoint was written on {state['world_size']} ranks, this run "
+                              f"has {self.collectives.size}: error-feedback residuals are "
+                              "per-rank and start from zero at another world size",
+                              RuntimeWarning, stacklevel=4)
+            self.tracker = tracker
+            self._residuals = ({int(b): _Residual(np.asarray(r), None)
+                                for b, r in state["residuals"].items()} if same_world else {})
+            self.step = state["step"]
+            self.stats = dict(dict.fromkeys(COUNTERS, 0), **state["stats"])
+            self._scales = {}
+        return apply

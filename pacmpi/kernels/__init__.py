@@ -1,0 +1,235 @@
+"""Codec kernels: gather, scatter, absmax and ternary encode/decode, one fused pass per call.
+
+Three routes compute the same bits (see :func:`backend`):
+
+- ``"numba"``: NumPy arrays, compiled by Numba on first use and cached on disk
+  (:mod:`pacmpi.kernels.cpu`);
+- ``"cupy"``: CuPy arrays, CUDA kernels compiled by CuPy on first use (:mod:`pacmpi.kernels.gpu`);
+- ``"numpy"``: the reference, on either array module (:mod:`pacmpi.kernels.reference`).
+
+``PACMPI_KERNELS=auto|numba|numpy`` or :func:`set_backend` chooses: ``numpy`` always runs the
+reference; ``numba`` insists on the compiled kernels (an error when Numba cannot be imported);
+``auto`` (the default) compiles where it can and falls back to the reference, saying so once.
+Arrays the fused kernels do not take (not C-contiguous, or a conversion they do not round
+exactly as NumPy) go to the reference too. Nothing here imports Numba or CuPy until a kernel
+runs on their arrays.
+"""
+import os
+import warnings
+
+import numpy as np
+
+from . import reference
+from .reference import compute_dtype
+
+__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "backend",
+           "set_backend", "warm_up", "compute_dtype", "BACKENDS"]
+
+BACKENDS = ("auto", "numba", "numpy")
+
+_forced = None        # set_backend()'s choice; None: the environment's
+_cpu_module = None    # pacmpi.kernels.cpu once imported
+_cpu_error = None     # why it could not be imported
+_warned = False
+
+
+def set_backend(name):
+    """Route later calls through ``name`` (one of :data:`BACKENDS`); None returns the choice
+    to ``PACMPI_KERNELS``."""
+    global _forced
+    _forced = None if name is None else _checked(name, "set_backend()")
+
+
+def _checked(name, source):
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: kernel backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def _choice():
+    if _forced is not None:
+        return _forced
+    return _checked(os.environ.get("PACMPI_KERNELS", "").strip().lower() or "auto",
+                    "PACMPI_KERNELS")
+
+
+def _cpu():
+    global _cpu_module, _cpu_error
+    if _cpu_module is None and _cpu_error is None:
+        try:
+            from . import cpu
+        except ImportError as exc:  # numba (or its llvmlite) missing or broken
+            _cpu_error = exc
+        else:
+            _cpu_module = cpu
+            _share_cores()
+    return _cpu_module
+
+
+# Where launchers say how many ranks share this node (Open MPI, torchrun, MPICH/Hydra, Slurm).
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
+                    "SLURM_NTASKS_PER_NODE")
+
+
+def _share_cores():
+    """Give each rank of a node its share of the cores: Numba's default of one thread per core
+    on every rank oversubscribes the node (``NUMBA_NUM_THREADS`` set by the user wins)."""
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return
+    local = next((int(v) for v in map(os.environ.get, _LOCAL_SIZE_VARS)
+                  if v and v.isdigit() and int(v) > 0), 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import numba
+    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, cores // local)))
+
+
+def _gpu():
+    from . import gpu
+    return gpu
+
+
+def backend(xp):
+    """The route that kernels on ``xp``'s arrays take now: ``"numba"``, ``"cupy"`` or
+    ``"numpy"`` (the reference)."""
+    global _warned
+    choice = _choice()
+    if choice == "numpy":
+        return "numpy"
+    if xp is not np:
+        return "cupy"
+    if _cpu() is not None:
+        return "numba"
+    if choice == "numba":
+        raise ImportError(f"PACMPI_KERNELS=numba, but Numba cannot be imported: {_cpu_error}")
+    if not _warned:
+        _warned = True
+        warnings.warn(f"pacmpi: Numba is not available ({_cpu_error}); codec kernels run the "
+                      "slower NumPy reference (pip install numba)", RuntimeWarning, stacklevel=3)
+    return "numpy"
+
+
+def warm_up(dtypes=None):
+    """Compile (or load from the cache) every NumPy kernel for ``dtypes`` (default: all the
+    supported gradient dtypes) and both word widths, so a training step never waits for Numba.
+    Returns the route that ran."""
+    from ..arrays import supported_float_dtypes
+    from ..ternary import TernaryCodec
+    for dtype in dtypes or supported_float_dtypes():
+        flat = np.ones(4, dtype)
+        indices = np.arange(2, dtype=np.int64)
+        residual = np.zeros(2, compute_dtype(dtype))
+        gather(np, flat, indices, np.empty(2, dtype))
+        scatter(np, np.ones(2, dtype), indices, flat, 2)
+        absmax(np, flat, indices, residual)
+        for word in ("int32", "int64"):  # the kernels see unsigned views: one of each width
+            codec = TernaryCodec(2, word)
+            words = ternary_encode(np, flat, indices, residual, residual, 1.0, 0, codec,
+                                   np.empty(1, codec.word_dtype))
+            ternary_decode(np, words, 2, codec, 2, 1.0, 2, indices, flat)
+    return backend(np)
+
+
+def _fused(xp, *arrays):
+    """The fused kernels' module for these arrays, or None for the reference."""
+    route = backend(xp)
+    if route == "numpy" or not all(a.flags.c_contiguous for a in arrays if a is not None):
+        return None
+    return _cpu() if route == "numba" else _gpu()
+
+
+def _count(flat, indices):
+    return flat.size if indices is None else indices.size
+
+
+def _int64(indices):
+    return None if indices is None else indices.astype(np.int64, copy=False)
+
+
+def _check_float(name, array, dtype, size):
+    if array is not None and (array.dtype != dtype or array.size != size):
+        raise ValueError(f"{name} must be {size} {dtype} values (the compute dtype), "
+                         f"got {array.size} {array.dtype}")
+
+
+def _check_count(name, count, indices, flat):
+    """The compiled kernels do not check bounds: wrong sizes must not reach them."""
+    if indices is None:
+        if count > flat.size:
+            raise ValueError(f"{name}: {count} values do not fit {flat.size} elements")
+    elif indices.size != count:
+        raise ValueError(f"{name}: {count} values but {indices.size} indices")
+
+
+# ---------------------------------------------------------------- public kernels
+def gather(xp, flat, indices, out):
+    """``out[j] = flat[indices[j]]`` (cast to out's dtype); returns ``out``."""
+    indices = _int64(indices)
+    _check_count("gather", out.size, indices, flat)
+    fused = _fused(xp, flat, indices, out)
+    if fused is None or not fused.converts(flat.dtype, out.dtype):
+        return reference.gather(xp, flat, indices, out)
+    return fused.gather(flat, indices, out)
+
+
+def scatter(xp, payload, indices, flat, divisor=None):
+    """``flat[:] = 0; flat[indices[j]] = payload[j] / divisor`` in one pass, the division in
+    payload's dtype as ``payload / payload.dtype.type(divisor)`` (none when divisor is None).
+    ``indices=None`` is dense: ``flat[:] = payload [/ divisor]``, and payload may be flat
+    itself. Returns ``flat``."""
+    indices = _int64(indices)
+    _check_count("scatter", payload.size, indices, flat)
+    fused = _fused(xp, payload, indices, flat)
+    if fused is None or not fused.converts(payload.dtype, flat.dtype):
+        return reference.scatter(xp, payload, indices, flat, divisor)
+    return fused.scatter(payload, indices, flat, divisor)
+
+
+def absmax(xp, flat, indices, residual):
+    """``max_j |compute(flat[indices[j]]) + residual[j]|`` as a Python float: NaN or Inf when
+    any value is not finite, 0.0 for no values. ``indices=None``: all of flat;
+    ``residual=None``: no residual."""
+    indices = _int64(indices)
+    _check_float("residual", residual, compute_dtype(flat.dtype), _count(flat, indices))
+    fused = _fused(xp, flat, indices, residual)
+    if fused is None:
+        return reference.absmax(xp, flat, indices, residual)
+    return fused.absmax(flat, indices, residual)
+
+
+def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, codec, words_out):
+    """Quantize ``v_j = compute(flat[indices[j]]) + residual_in[j]`` to ``q_j`` in {-1, 0, 1}
+    with ``P(q_j = sign v_j) = float32(|v_j|) / float32(scale)`` (none when ``scale <= 0``),
+    drawing :func:`pacmpi.hashing.uniform` number j of ``key``; store
+    ``residual_out[j] = v_j - q_j * scale`` (may be residual_in itself; None: not kept) and pack
+    ``q_j + 1`` into ``words_out`` exactly as :meth:`TernaryCodec.encode`. Returns words_out."""
+    indices = _int64(indices)
+    count = _count(flat, indices)
+    compute = compute_dtype(flat.dtype)
+    _check_float("residual_in", residual_in, compute, count)
+    _check_float("residual_out", residual_out, compute, count)
+    if words_out.dtype != codec.word_dtype or words_out.size != codec.words_for(count):
+        raise ValueError(f"words_out must be {codec.words_for(count)} {codec.word_dtype} "
+                         f"words, got {words_out.size} {words_out.dtype}")
+    fused = _fused(xp, flat, indices, residual_in, residual_out, words_out)
+    if fused is None:
+        return reference.ternary_encode(xp, flat, indices, residual_in, residual_out, scale,
+                                        key, codec, words_out)
+    return fused.ternary_encode(flat, indices, residual_in, residual_out, scale, key, codec,
+                                words_out)
+
+
+def ternary_decode(xp, words, count, codec, ranks, scale, divisor, indices, flat):
+    """From words summed over ``ranks`` ranks: ``s_j = digit_j - ranks``, value
+    ``compute(s_j) * compute(scale) [/ compute(divisor)]`` cast once to flat's dtype;
+    ``flat[:] = 0; flat[indices[j]] = value_j`` (``flat[j]`` when indices is None) for
+    j < count. Returns ``flat``."""
+    indices = _int64(indices)
+    _check_count("ternary_decode", count, indices, flat)
+    if words.dtype != codec.word_dtype or words.size < codec.words_for(count):
+        raise ValueError(f"words must be at least {codec.words_for(count)} {codec.word_dtype} "
+                         f"words, got {words.size} {words.dtype}")
+    fused = _fused(xp, words, indices, flat)
+    if fused is None:
+        return reference.ternary_decode(xp, words, count, codec, ranks, scale, divisor,
+                                        indices, flat)
+    return fused.ternary_decode(words, count, codec, ranks, scale, divisor, indices, flat)

@@ -1,0 +1,446 @@
+"""Fused codec kernels for NumPy arrays, compiled by Numba: one parallel pass per call.
+
+Imported only on first use (importing Numba takes a while). Every kernel reproduces
+:mod:`pacmpi.kernels.reference` bit for bit: IEEE operations in the same precision and order,
+the same counter-based random numbers, and float16/bfloat16 rounding done exactly as NumPy and
+ml_dtypes do it. Compiled code is cached on disk (``cache=True``): in ``NUMBA_CACHE_DIR`` when
+set, else in ``__pycache__`` beside this file, else (not writable) in ``~/.cache/numba``; one
+signature per dtype combination, loaded in milliseconds instead of compiled in about a second.
+Small calls run on the calling thread (:data:`SERIAL_BELOW`); the pool's size is Numba's
+(``NUMBA_NUM_THREADS``, ``numba.set_num_threads``).
+
+Numba cannot type float16 or bfloat16, so their arrays come in as **uint16 (float16) and int16
+(bfloat16) views**: the element type alone selects the conversion at compile time. Optional
+arguments are fixed-type (an empty array and a flag instead of None), so each kernel is
+compiled once per dtype combination, not once per combination of Nones. Arrays are indexed
+with unsigned integers (:func:`_at`): Numba then skips its negative-index wraparound, whose
+select on every address otherwise keeps LLVM from vectorizing the loops (5x slower).
+"""
+import os
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .reference import compute_dtype, digit_powers, division_tables
+
+__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "converts",
+           "compile_stats"]
+
+# Values per parallel work item: small enough to balance threads and stay in L1/L2, big enough
+# to amortize the scheduling.
+CHUNK = 1 << 14
+# Below this many values a call runs on the calling thread alone: waking the pool costs more
+# than it saves, and on a busy machine a descheduled worker stalls the call for milliseconds.
+SERIAL_BELOW = 1 << 16
+_JIT = dict(cache=True, nogil=True)
+# Numba's OpenMP layer shares libgomp with PyTorch and, when it starts its pool, sets the
+# process's OpenMP thread count: torch's intra-op thread count then changes mid-run (1 -> all
+# cores under mpirun's core binding), and with it torch's summation order. The workqueue layer
+# has its own threads; it does not take concurrent launches, hence the lock.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+_LAUNCH_LOCK = threading.Lock()
+_PARALLEL = dict(parallel=True, **_JIT)
+
+_ONE = np.uint64(1)
+_U32 = np.uint32
+
+
+# ---------------------------------------------------------------- bit-level helpers
+@intrinsic
+def _float_bits(typingctx, x):
+    """The IEEE bits of a float32/float64, zero-extended to uint64."""
+    def codegen(context, builder, signature, args):
+        raw = builder.bitcast(args[0], ir.IntType(x.bitwidth))
+        return builder.zext(raw, ir.IntType(64)) if x.bitwidth < 64 else raw
+    return types.uint64(x), codegen
+
+
+@intrinsic
+def _bits_float(typingctx, bits, like):
+    """The float of ``like``'s type whose IEEE bits are the low bits of the integer ``bits``."""
+    def codegen(context, builder, signature, args):
+        raw = args[0]
+        width = like.bitwidth
+        if bits.bitwidth > width:
+            raw = builder.trunc(raw, ir.IntType(width))
+        elif bits.bitwidth < width:
+            raw = builder.zext(raw, ir.IntType(width))
+        return builder.bitcast(raw, context.get_value_type(like))
+    return like(bits, like), codegen
+
+
+@intrinsic
+def _mulhi(typingctx, a, b):
+    """High 64 bits of the 128-bit product of two uint64 (one x86 ``mul``)."""
+    def codegen(context, builder, signature, args):
+        wide = ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@njit(**_JIT)
+def _quotient(x, magic, shift):
+    """``x // divisor`` for any uint64 ``x`` by Granlund-Montgomery multiplication, with
+    ``magic, shift`` from :func:`~pacmpi.kernels.reference.division_tables`: a multiply instead
+    of a ~15-cycle division."""
+    t = _mulhi(magic, x)
+    return (t + ((x - t) >> _ONE)) >> shift
+
+
+@njit(**_JIT)
+def _at(indices, packed, j):
+    """The unsigned position of value ``j`` in flat: ``indices[j]``, or ``j`` unless packed."""
+    return np.uint64(indices[np.uint64(j)]) if packed else np.uint64(j)
+
+
+# ---------------------------------------------------------------- 16-bit floats
+@njit(**_JIT)
+def _half_to_float(h):
+    """float16 bits (uint16) -> float32, exactly (NaN payloads kept, as NumPy does)."""
+    h = np.int64(h)
+    sign = (h & 0x8000) << 16
+    exponent = h & 0x7C00
+    if exponent == 0x7C00:
+        return _bits_float(sign | 0x7F800000 | ((h & 0x03FF) << 13), np.float32(0))
+    if exponent != 0:
+        return _bits_float(sign | (((h & 0x7FFF) << 13) + ((127 - 15) << 23)), np.float32(0))
+    magnitude = np.float32(h & 0x03FF) * np.float32(2.0 ** -24)  # subnormal or zero: exact
+    return -magnitude if sign else magnitude
+
+
+@njit(**_JIT)
+def _float_to_half(x):
+    """float32 -> float16 bits (uint16), round half to even, as NumPy's
+    ``npy_floatbits_to_halfbits`` (NaN keeps its top payload bits)."""
+    f = np.int64(_float_bits(x))
+    sign = (f >> 16) & 0x8000
+    exponent = f & 0x7F800000
+    significand = f & 0x007FFFFF
+    if exponent >= 0x47800000:  # overflow, Inf or NaN
+        if exponent == 0x7F800000 and significand != 0:
+            payload = 0x7C00 + (significand >> 13)
+            return np.uint16(sign + (payload + 1 if payload == 0x7C00 else payload))
+        return np.uint16(sign + 0x7C00)
+    if exponent <= 0x38000000:  # a half subnormal or zero
+        if exponent < 0x33000000:
+            return np.uint16(sign)
+        significand = (significand + 0x00800000) >> (113 - (exponent >> 23))
+        # Ties go to even; the bits shifted out above decide whether it is a tie.
+        if (significand & 0x3FFF) != 0x1000 or (f & 0x7FF) != 0:
+            significand += 0x1000
+        return np.uint16(sign + (significand >> 13))
+    if (significand & 0x3FFF) != 0x1000:
+        significand += 0x1000
+    # A rounding carry spills into the exponent, up to Inf: the right result.
+    return np.uint16(sign + ((exponent - 0x38000000) >> 13) + (significand >> 13))
+
+
+@njit(**_JIT)
+def _bf16_to_float(b):
+    """bfloat16 bits (int16) -> float32, exactly."""
+    return _bits_float((np.int64(b) & 0xFFFF) << 16, np.float32(0))
+
+
+@njit(**_JIT)
+def _float_to_bf16(x):
+    """float32 -> bfloat16 bits (int16), round half to even; NaN -> quiet NaN, as ml_dtypes."""
+    f = np.int64(_float_bits(x))
+    if x != x:
+        return np.int16(((f >> 16) & 0x8000) | 0x7FC0)
+    return np.int16((f + 0x7FFF + ((f >> 16) & 1)) >> 16)
+
+
+# ---------------------------------------------------------------- element conversions
+# Typed by the @overload implementations below, by the element and dtype types they get.
+def _to_float(x):
+    """An element (uint16 = float16 bits, int16 = bfloat16 bits, float32/64) -> compute float."""
+
+
+def _from_float(value, dtype):
+    """A compute float -> an element of ``dtype`` (an array's ``.dtype``), rounded."""
+
+
+def _convert(x, dtype):
+    """An element of one kind -> an element of ``dtype``: bits unchanged for the same kind."""
+
+
+def _divide(x, divisor):
+    """``x / divisor`` computed in x's own dtype (16-bit: in float32, rounded back), as NumPy."""
+
+
+def _as_float(value, like):
+    """``value`` (an integer) as a float of ``like``'s type."""
+
+
+@overload(_to_float)
+def _to_float_impl(x):
+    if x == types.uint16:
+        return lambda x: _half_to_float(x)
+    if x == types.int16:
+        return lambda x: _bf16_to_float(x)
+    return lambda x: x
+
+
+@overload(_from_float)
+def _from_float_impl(value, dtype):
+    if dtype.dtype == types.uint16:
+        return lambda value, dtype: _float_to_half(np.float32(value))
+    if dtype.dtype == types.int16:
+        return lambda value, dtype: _float_to_bf16(np.float32(value))
+    return lambda value, dtype: dtype.type(value)
+
+
+@overload(_convert)
+def _convert_impl(x, dtype):
+    if x == dtype.dtype:
+        return lambda x, dtype: x
+    return lambda x, dtype: _from_float(_to_float(x), dtype)
+
+
+@overload(_divide)
+def _divide_impl(x, divisor):
+    if x == types.uint16:
+        return lambda x, divisor: _float_to_half(_half_to_float(x) / divisor)
+    if x == types.int16:
+        return lambda x, divisor: _float_to_bf16(_bf16_to_float(x) / divisor)
+    return lambda x, divisor: x / divisor
+
+
+@overload(_as_float)
+def _as_float_impl(value, like):
+    if like == types.float32:
+        return lambda value, like: np.float32(value)
+    return lambda value, like: np.float64(value)
+
+
+# Numba widens uint32 arithmetic to uint64; truncating every step keeps LLVM on 32-bit vector
+# lanes (twice as many, and cheaper multiplies) with wrapping uint32 results.
+@njit(**_JIT)
+def _lowbias32(x):
+    """Chris Wellons' lowbias32 on a uint32 (as pacmpi.hashing._lowbias32)."""
+    x = _U32(x ^ (x >> _U32(16)))
+    x = _U32(x * _U32(0x7FEB352D))
+    x = _U32(x ^ (x >> _U32(15)))
+    x = _U32(x * _U32(0x846CA68B))
+    return _U32(x ^ (x >> _U32(16)))
+
+
+@njit(**_JIT)
+def _uniform(j, key_lo, key_hi):
+    """Number ``j`` of :func:`pacmpi.hashing.uniform` for the key ``key_hi:key_lo`` (uint32)."""
+    bits = _lowbias32(_U32(_lowbias32(_U32(_U32(j) + key_lo)) ^ key_hi))
+    return np.float32(bits >> _U32(8)) * np.float32(2.0 ** -24)
+
+
+@njit(**_JIT)
+def _zero_span(flat, indices, packed, first, stop, count):
+    """Zero the span of ``flat`` that values ``first..stop-1`` own before they are written into
+    it: from just after the previous value's position to their last position (packed), plus
+    the tail after the last value. Disjoint value ranges own disjoint spans, so parallel
+    chunks zero and scatter, in cache, without a separate zeroing pass over flat."""
+    if packed:
+        start = indices[first - 1] + 1 if first > 0 else 0
+    else:
+        start = stop
+    end = flat.size if stop == count else (indices[stop - 1] + 1 if packed else stop)
+    flat[start:end].fill(0)
+
+
+# ---------------------------------------------------------------- kernels
+@njit(**_PARALLEL)
+def _gather(flat, indices, out):
+    for j in prange(indices.size):
+        out[np.uint64(j)] = _convert(flat[_at(indices, True, j)], out.dtype)
+
+
+@njit(**_PARALLEL)
+def _scatter(payload, indices, packed, flat, divisor, divide):
+    count = payload.size
+    if count == 0:
+        flat.fill(0)
+    for chunk in prange((count + CHUNK - 1) // CHUNK):
+        first = chunk * CHUNK
+        stop = min(first + CHUNK, count)
+        _zero_span(flat, indices, packed, first, stop, count)
+        for j in range(first, stop):
+            x = payload[np.uint64(j)]
+            if divide:
+                x = _divide(x, divisor)
+            flat[_at(indices, packed, j)] = _convert(x, flat.dtype)
+
+
+@njit(**_PARALLEL)
+def _absmax(flat, indices, packed, residual, add_residual, count):
+    # The maximum is taken over the IEEE bits of |v|: for non-negative floats their order is
+    # the integer order, NaN above Inf, so one integer max reduction also reports non-finite
+    # values (and vectorizes, unlike a NaN-propagating float max).
+    chunks = (count + CHUNK - 1) // CHUNK
+    partial = np.zeros(max(chunks, 1), dtype=np.uint64)
+    for chunk in prange(chunks):
+        top = np.uint64(0)
+        for j in range(chunk * CHUNK, min(chunk * CHUNK + CHUNK, count)):
+            v = _to_float(flat[_at(indices, packed, j)])
+            if add_residual:
+                v += residual[np.uint64(j)]
+            top = max(top, _float_bits(abs(v)))
+        partial[chunk] = top
+    return np.float64(_bits_float(partial.max(), _to_float(flat.dtype.type(0))))
+
+
+@njit(**_PARALLEL)
+def _ternary_encode(flat, indices, packed, residual_in, add_residual, residual_out,
+                    keep_residual, positive, scale, scale32, key_lo, key_hi, powers, words,
+                    count):
+    # One prange iteration per word, so a word's digits never cross threads. ``positive`` is
+    # decided on the caller's scale: a tiny one rounds to 0 in float32 but still quantizes.
+    k = powers.size
+    for w in prange(words.size):
+        first = w * k
+        word = np.uint64(0)
+        for j in range(first, min(first + k, count)):
+            v = _to_float(flat[_at(indices, packed, j)])
+            if add_residual:
+                v += residual_in[np.uint64(j)]
+            keep = positive & (_uniform(j, key_lo, key_hi) < np.float32(abs(v)) / scale32)
+            q = (1 if v > 0 else -1) if keep else 0
+            if keep_residual:
+                residual_out[np.uint64(j)] = v - _as_float(q, v) * scale
+            word += np.uint64(q + 1) * powers[np.uint64(j - first)]
+        words[np.uint64(w)] = word
+
+
+@njit(**_PARALLEL)
+def _ternary_decode(words, count, k, base, magics, shifts, ranks, scale, divisor, divide,
+                    indices, packed, flat):
+    # Digit d of a word is (word // base**d) - base * (word // base**(d+1)): every quotient
+    # comes from the word itself, not from the previous digit, so the digits of a word are
+    # independent (no serial chain of divisions) and the CPU overlaps them.
+    if count == 0:
+        flat.fill(0)
+    nwords = (count + k - 1) // k
+    chunk_words = max(1, CHUNK // k)
+    for chunk in prange((nwords + chunk_words - 1) // chunk_words):
+        w_first = chunk * chunk_words
+        w_stop = min(w_first + chunk_words, nwords)
+        _zero_span(flat, indices, packed, w_first * k, min(w_stop * k, count), count)
+        for w in range(w_first, w_stop):
+            word = np.uint64(words[np.uint64(w)])
+            above = word
+            for j in range(w * k, min(w * k + k, count)):
+                d = np.uint64(j - w * k)
+                below = above
+                above = _quotient(word, magics[d], shifts[d])
+                digit = np.int64(below - above * base)
+                value = _as_float(digit - ranks, scale) * scale
+                if divide:
+                    value = value / divisor
+                flat[_at(indices, packed, j)] = _from_float(value, flat.dtype)
+
+
+# ---------------------------------------------------------------- Python side
+_NO_INDICES = np.empty(0, dtype=np.int64)
+_KERNELS = {"gather": _gather, "scatter": _scatter, "absmax": _absmax,
+            "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode}
+
+
+def compile_stats():
+    """Per kernel: signatures loaded from Numba's on-disk cache (hits) and compiled in this
+    process (misses), and the cache directory."""
+    return {name: {"cache_hits": sum(k.stats.cache_hits.values()),
+                   "compiled": sum(k.stats.cache_misses.values()),
+                   "cache_dir": k.stats.cache_path}
+            for name, k in _KERNELS.items()}
+
+
+def _view(array):
+    """The Numba-typable view of a float array (float16 -> uint16, bfloat16 -> int16)."""
+    if array.dtype == np.float16:
+        return array.view(np.uint16)
+    if array.dtype.name == "bfloat16":
+        return array.view(np.int16)
+    return array
+
+
+def _optional(array, dtype):
+    """``(array, True)``, or an empty stand-in and False for None."""
+    return (np.empty(0, dtype=dtype), False) if array is None else (array, True)
+
+
+def _indices(indices, size):
+    """``(indices, packed)``; sorted positions are in range when their ends are (the kernels
+    do not check bounds)."""
+    if indices is None:
+        return _NO_INDICES, False
+    if indices.size and (indices[0] < 0 or indices[-1] >= size):
+        raise IndexError(f"indices must be sorted positions in [0, {size})")
+    return indices, True
+
+
+def converts(source, target):
+    """Whether the kernels convert ``source`` elements to ``target`` exactly as NumPy: always
+    to float32/float64 and to the same dtype; to float16/bfloat16 only from float32 (a float64
+    source would need its own rounding)."""
+    return source == target or target.itemsize > 2 or source == np.float32
+
+
+def _launch(kernel, count, *args):
+    """``kernel(*args)``, on this thread alone for small ``count`` (the setting is per thread)."""
+    with _LAUNCH_LOCK:
+        if count >= SERIAL_BELOW:
+            return kernel(*args)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            numba.set_num_threads(threads)
+
+
+def _unsigned(words):
+    return words.view(np.dtype(f"u{words.dtype.itemsize}"))
+
+
+def gather(flat, indices, out):
+    _launch(_gather, out.size, _view(flat), _indices(indices, flat.size)[0], _view(out))
+    return out
+
+
+def scatter(payload, indices, flat, divisor=None):
+    divide = divisor is not None
+    value = compute_dtype(payload.dtype).type(payload.dtype.type(divisor if divide else 1))
+    _launch(_scatter, flat.size, _view(payload), *_indices(indices, flat.size), _view(flat),
+            value, divide)
+    return flat
+
+
+def absmax(flat, indices, residual):
+    count = flat.size if indices is None else indices.size
+    return float(_launch(_absmax, count, _view(flat), *_indices(indices, flat.size),
+                         *_optional(residual, compute_dtype(flat.dtype)), count))
+
+
+def ternary_encode(flat, indices, residual_in, residual_out, scale, key, codec, words_out):
+    compute = compute_dtype(flat.dtype)
+    count = flat.size if indices is None else indices.size
+    _launch(_ternary_encode, count, _view(flat), *_indices(indices, flat.size),
+            *_optional(residual_in, compute), *_optional(residual_out, compute),
+            bool(scale > 0), compute.type(scale), np.float32(scale), _U32(key & 0xFFFFFFFF),
+            _U32((key >> 32) & 0xFFFFFFFF), digit_powers(codec.base, codec.digits_per_word),
+            _unsigned(words_out), count)
+    return words_out
+
+
+def ternary_decode(words, count, codec, ranks, scale, divisor, indices, flat):
+    compute = compute_dtype(flat.dtype).type
+    divide = divisor is not None
+    _launch(_ternary_decode, flat.size, _unsigned(words), count, codec.digits_per_word,
+            np.uint64(codec.base), *division_tables(codec.base, codec.digits_per_word),
+            np.int64(ranks), compute(scale), compute(divisor if divide else 1), divide,
+            *_indices(indices, flat.size), _view(flat))
+    return flat

@@ -1,0 +1,295 @@
+"""Fused codec kernels for CuPy arrays: CUDA source compiled by CuPy (NVRTC) on first use.
+
+CuPy is never imported here: the arrays are CuPy arrays, so the caller already imported it and
+it is found in ``sys.modules``. Each call is one kernel launch (after a memset where flat must
+be zeroed first) with no full-size temporaries; absmax also reads back one word. A thread owns
+a ternary word, so a word's digits never cross threads. The arithmetic follows
+:mod:`pacmpi.kernels.cpu` step for step (IEEE division, no FMA contraction, float16 rounded
+bit by bit as NumPy does), so every route matches the reference bit for bit. CuPy has no
+bfloat16: such arrays never get here.
+"""
+import functools
+import sys
+
+import numpy as np
+
+from .reference import compute_dtype, digit_powers, division_tables
+
+__all__ = ["SOURCE", "expressions", "gather", "scatter", "absmax", "ternary_encode",
+           "ternary_decode", "converts"]
+
+SOURCE = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef long long i64;
+
+// A float16 element as stored; converted by hand exactly as NumPy's npy_half does, so NaN
+// payloads and rounding agree with the host reference.
+struct half_bits { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(half_bits x) {
+    u32 h = x.bits;
+    u32 sign = (h & 0x8000u) << 16;
+    u32 exponent = h & 0x7C00u;
+    if (exponent == 0x7C00u) return __uint_as_float(sign | 0x7F800000u | ((h & 0x3FFu) << 13));
+    if (exponent != 0) return __uint_as_float(sign | (((h & 0x7FFFu) << 13) + (112u << 23)));
+    float magnitude = (float)(h & 0x3FFu) * 5.9604644775390625e-08f;  // subnormal: m * 2**-24
+    return sign ? -magnitude : magnitude;
+}
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ double to_float(double x) { return x; }
+
+// float32 -> float16 bits, round half to even (npy_floatbits_to_halfbits).
+__device__ __forceinline__ half_bits to_half(float x) {
+    u32 f = __float_as_uint(x);
+    u32 sign = (f >> 16) & 0x8000u;
+    u32 exponent = f & 0x7F800000u;
+    u32 significand = f & 0x007FFFFFu;
+    half_bits h;
+    if (exponent >= 0x47800000u) {  // overflow, Inf or NaN
+        u32 payload = 0x7C00u + (significand >> 13);
+        bool nan = exponent == 0x7F800000u && significand != 0;
+        h.bits = (unsigned short)(sign + (!nan ? 0x7C00u : payload == 0x7C00u ? payload + 1
+                                                                                 : payload));
+        return h;
+    }
+    if (exponent <= 0x38000000u) {  // a half subnormal or zero
+        if (exponent < 0x33000000u) { h.bits = (unsigned short)sign; return h; }
+        significand = (significand + 0x00800000u) >> (113u - (exponent >> 23));
+        if ((significand & 0x3FFFu) != 0x1000u || (f & 0x7FFu) != 0) significand += 0x1000u;
+        h.bits = (unsigned short)(sign + (significand >> 13));
+        return h;
+    }
+    if ((significand & 0x3FFFu) != 0x1000u) significand += 0x1000u;
+    h.bits = (unsigned short)(sign + ((exponent - 0x38000000u) >> 13) + (significand >> 13));
+    return h;
+}
+
+__device__ __forceinline__ void store(half_bits* p, float v) { *p = to_half(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(double* p, double v) { *p = v; }
+
+// x / d in x's own dtype, as NumPy: float16 divides in float32 and rounds back.
+__device__ __forceinline__ half_bits divided(half_bits x, float d) {
+    return to_half(to_float(x) / d);
+}
+__device__ __forceinline__ float divided(float x, float d) { return x / d; }
+__device__ __forceinline__ double divided(double x, double d) { return x / d; }
+
+__device__ __forceinline__ u64 magnitude_bits(float v) { return __float_as_uint(fabsf(v)); }
+__device__ __forceinline__ u64 magnitude_bits(double v) {
+    return (u64)__double_as_longlong(fabs(v));
+}
+
+__device__ __forceinline__ u32 lowbias32(u32 x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
+    return x;
+}
+
+// Number j of pacmpi.hashing.uniform for the key key_hi:key_lo.
+__device__ __forceinline__ float uniform(i64 j, u32 key_lo, u32 key_hi) {
+    u32 bits = lowbias32(lowbias32((u32)j + key_lo) ^ key_hi);
+    return (float)(bits >> 8) * 5.9604644775390625e-08f;
+}
+
+#define GRID_STRIDE(i, n) \
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); \
+         i += (i64)blockDim.x * gridDim.x)
+
+template<typename T, typename D>
+__global__ void scatter(const T* payload, const i64* indices, int packed, T* flat,
+                        D divisor, int divide, i64 count) {
+    GRID_STRIDE(j, count) {
+        T x = payload[j];
+        flat[packed ? indices[j] : j] = divide ? divided(x, divisor) : x;
+    }
+}
+
+// The maximum of |v| over the IEEE bits: for non-negative floats their order is the integer
+// order, NaN above Inf, so an integer atomicMax also reports non-finite values.
+template<typename T, typename C>
+__global__ void absmax(const T* flat, const i64* indices, int packed, const C* residual,
+                       int add_residual, i64 count, u64* result) {
+    u64 top = 0;
+    GRID_STRIDE(j, count) {
+        C v = to_float(flat[packed ? indices[j] : j]);
+        if (add_residual) v += residual[j];
+        top = max(top, magnitude_bits(v));
+    }
+    for (int offset = 16; offset > 0; offset >>= 1)
+        top = max(top, __shfl_down_sync(0xFFFFFFFFu, top, offset));
+    if ((threadIdx.x & 31) == 0) atomicMax(result, top);
+}
+
+template<typename T, typename C, typename W>
+__global__ void ternary_encode(const T* flat, const i64* indices, int packed,
+                               const C* residual_in, int add_residual, C* residual_out,
+                               int keep_residual, int positive, C scale, float scale32,
+                               u32 key_lo, u32 key_hi, const u64* powers, int k, W* words,
+                               i64 nwords, i64 count) {
+    GRID_STRIDE(w, nwords) {
+        u64 word = 0;
+        i64 stop = min(w * k + k, count);
+        for (i64 j = w * k; j < stop; ++j) {
+            C v = to_float(flat[packed ? indices[j] : j]);
+            if (add_residual) v += residual_in[j];
+            int q = 0;
+            if (positive && uniform(j, key_lo, key_hi) < (float)fabs(v) / scale32)
+                q = v > 0 ? 1 : -1;
+            if (keep_residual) residual_out[j] = v - (C)q * scale;
+            word += (u64)(q + 1) * powers[j - w * k];
+        }
+        words[w] = (W)word;
+    }
+}
+
+// Digit d of a word is (word // base**d) - base * (word // base**(d+1)); each quotient is a
+// Granlund-Montgomery multiply (magics[d], shifts[d] divide by base**(d+1)).
+template<typename T, typename C, typename W>
+__global__ void ternary_decode(const W* words, i64 count, int k, u64 base, const u64* magics,
+                               const u64* shifts, i64 ranks, C scale, C divisor, int divide,
+                               const i64* indices, int packed, T* flat) {
+    GRID_STRIDE(w, (count + k - 1) / k) {
+        u64 word = words[w];
+        u64 above = word;
+        i64 stop = min(w * k + k, count);
+        for (i64 j = w * k; j < stop; ++j) {
+            u64 below = above;
+            u64 t = __umul64hi(magics[j - w * k], word);
+            above = (t + ((word - t) >> 1)) >> shifts[j - w * k];
+            C value = (C)((i64)(below - above * base) - ranks) * scale;
+            if (divide) value = value / divisor;
+            store(flat + (packed ? indices[j] : j), value);
+        }
+    }
+}
+"""
+
+_BLOCK = 256
+_MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
+_CTYPES = {"float16": "half_bits", "float32": "float", "float64": "double",
+           "uint32": "unsigned int", "uint64": "unsigned long long"}
+
+
+def _cupy():
+    return sys.modules["cupy"]
+
+
+def _expression(name, *dtypes):
+    return f"{name}<{', '.join(_CTYPES[np.dtype(d).name] for d in dtypes)}>"
+
+
+def expressions():
+    """Every kernel instantiation the wrappers below launch."""
+    for storage in ("float16", "float32", "float64"):
+        compute = "float64" if storage == "float64" else "float32"
+        yield _expression("scatter", storage, compute)
+        yield _expression("absmax", storage, compute)
+        for word in ("uint32", "uint64"):
+            yield _expression("ternary_encode", storage, compute, word)
+            yield _expression("ternary_decode", storage, compute, word)
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """All kernels in one NVRTC compilation (CuPy also caches it on disk)."""
+    return _cupy().RawModule(code=SOURCE, options=("--std=c++14", "--fmad=false"),
+                             name_expressions=list(expressions()))
+
+
+def _kernel(name, *dtypes):
+    return _module().get_function(_expression(name, *dtypes))
+
+
+def _launch(kernel, items, *args):
+    if items:
+        blocks = min(-(-items // _BLOCK), _MAX_BLOCKS)
+        kernel((blocks,), (_BLOCK,), args)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_table(device, table, base, digits):
+    """Codec tables (uint64) on one GPU."""
+    if table == "powers":
+        return _cupy().asarray(digit_powers(base, digits))
+    return tuple(_cupy().asarray(t) for t in division_tables(base, digits))
+
+
+def _table(table, codec):
+    return _device_table(_cupy().cuda.Device().id, table, codec.base, codec.digits_per_word)
+
+
+def _optional(array, dtype):
+    """``(array, 1)``, or an empty stand-in and 0 for None."""
+    return (_cupy().empty(0, dtype=dtype), np.int32(0)) if array is None else (array, np.int32(1))
+
+
+def _indices(indices):
+    return _optional(indices, np.int64)
+
+
+def _unsigned(words):
+    return words.view(np.dtype(f"u{words.dtype.itemsize}"))
+
+
+def _zero_unwritten(flat, indices, count):
+    """A memset of what the scattering kernel will not write: all of flat when packed (it
+    writes the survivors afterwards), else the tail after ``count`` values."""
+    if indices is not None or count < flat.size:
+        flat[count if indices is None else 0:].fill(0)
+
+
+def converts(source, target):
+    """Only same-dtype gathers and scatters are fused on the GPU."""
+    return source == target
+
+
+def gather(flat, indices, out):
+    return _cupy().take(flat, indices, out=out)
+
+
+def scatter(payload, indices, flat, divisor=None):
+    count = payload.size
+    _zero_unwritten(flat, indices, count)
+    divide = divisor is not None
+    value = compute_dtype(payload.dtype).type(payload.dtype.type(divisor if divide else 1))
+    _launch(_kernel("scatter", payload.dtype, value.dtype), count, payload, *_indices(indices),
+            flat, value, np.int32(divide), np.int64(count))
+    return flat
+
+
+def absmax(flat, indices, residual):
+    compute = compute_dtype(flat.dtype)
+    count = flat.size if indices is None else indices.size
+    result = _cupy().zeros(1, dtype=np.uint64)
+    _launch(_kernel("absmax", flat.dtype, compute), count, flat, *_indices(indices),
+            *_optional(residual, compute), np.int64(count), result)
+    bits = _cupy().asnumpy(result)
+    return float(bits.view(np.float64)[0] if compute == np.float64
+                 else bits.astype(np.uint32).view(np.float32)[0])
+
+
+def ternary_encode(flat, indices, residual_in, residual_out, scale, key, codec, words_out):
+    compute = compute_dtype(flat.dtype)
+    count = flat.size if indices is None else indices.size
+    words = _unsigned(words_out)
+    _launch(_kernel("ternary_encode", flat.dtype, compute, words.dtype), words.size, flat,
+            *_indices(indices), *_optional(residual_in, compute),
+            *_optional(residual_out, compute), np.int32(scale > 0), compute.type(scale),
+            np.float32(scale), np.uint32(key & 0xFFFFFFFF), np.uint32((key >> 32) & 0xFFFFFFFF),
+            _table("powers", codec), np.int32(codec.digits_per_word), words,
+            np.int64(words.size), np.int64(count))
+    return words_out
+
+
+def ternary_decode(words, count, codec, ranks, scale, divisor, indices, flat):
+    compute = compute_dtype(flat.dtype).type
+    _zero_unwritten(flat, indices, count)
+    words = _unsigned(words)
+    divide = divisor is not None
+    _launch(_kernel("ternary_decode", flat.dtype, compute, words.dtype),
+            codec.words_for(count), words, np.int64(count), np.int32(codec.digits_per_word),
+            np.uint64(codec.base), *_table("division", codec), np.int64(ranks),
+            compute(scale), compute(divisor if divide else 1), np.int32(divide),
+            *_indices(indices), flat)
+    return flat

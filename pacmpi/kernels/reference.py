@@ -1,0 +1,104 @@
+"""Reference codec kernels on any array module (``xp`` is NumPy or CuPy): the tested oracle.
+
+Each function is written as plainly as the array module allows, with full-size temporaries;
+the fused Numba and CuPy kernels must reproduce these results bit for bit. Values are computed
+in :func:`compute_dtype` (float64 for float64 gradients, float32 otherwise) and cast to the
+gradient dtype once, at the end. The integer tables the fused kernels share are here too.
+"""
+import functools
+
+import numpy as np
+
+from ..ternary import stochastic_ternary
+
+__all__ = ["compute_dtype", "digit_powers", "division_tables", "gather", "scatter", "absmax",
+           "ternary_encode", "ternary_decode"]
+
+
+def compute_dtype(dtype):
+    """float64 for float64 gradients; float32 for float16, bfloat16 and float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def digit_powers(base, digits):
+    """``base**d`` for d < digits, uint64 (a word's digit d is worth ``base**d``)."""
+    return np.array([base ** d for d in range(digits)], dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=None)
+def division_tables(base, digits):
+    """``(magics, shifts)``, uint64 arrays whose entry d divides by ``D = base**(d+1)``:
+    ``x // D == (t + ((x - t) >> 1)) >> shift`` with ``t`` the high 64 bits of ``magic * x``,
+    for every uint64 ``x`` (Granlund and Montgomery, 1994, fig. 4.1), a multiply instead of a
+    slow division. ``base`` is odd, so no divisor is a power of two, and ``base**digits`` fits
+    a uint64 word."""
+    magics, shifts = [], []
+    for d in range(1, digits + 1):
+        divisor = base ** d
+        length = divisor.bit_length()  # ceil(log2(divisor))
+        magics.append((1 << 64) * ((1 << length) - divisor) // divisor + 1)
+        shifts.append(length - 1)
+    return np.array(magics, dtype=np.uint64), np.array(shifts, dtype=np.uint64)
+
+
+def _place(xp, values, indices, flat):
+    """``flat[:] = 0; flat[indices] = values`` (``flat[:n] = values`` when indices is None)."""
+    if indices is None:
+        flat[:values.size] = values
+        flat[values.size:] = 0
+    else:
+        flat[...] = 0
+        flat[indices] = values
+    return flat
+
+
+def _values(xp, flat, indices, residual):
+    """The survivors in the compute dtype, plus the residual when one is given."""
+    values = (flat if indices is None else flat[indices]).astype(compute_dtype(flat.dtype))
+    if residual is not None:
+        values += residual
+    return values
+
+
+def gather(xp, flat, indices, out):
+    """``out[j] = flat[indices[j]]``."""
+    if out.dtype == flat.dtype:
+        xp.take(flat, indices, out=out)
+    else:
+        out[...] = flat[indices]
+    return out
+
+
+def scatter(xp, payload, indices, flat, divisor=None):
+    """``flat[:] = 0; flat[indices] = payload / divisor`` (division in payload's dtype)."""
+    values = payload if divisor is None else payload / payload.dtype.type(divisor)
+    return _place(xp, values, indices, flat)
+
+
+def absmax(xp, flat, indices, residual):
+    """``max |flat[indices] + residual|`` in the compute dtype, as a Python float (NaN or Inf
+    when any value is not finite; 0.0 when there are none)."""
+    values = _values(xp, flat, indices, residual)
+    return float(xp.max(xp.abs(values))) if values.size else 0.0
+
+
+def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, codec, words_out):
+    """Quantize ``flat[indices] + residual_in`` to ternary codes, store the new error-feedback
+    residual, and pack the codes into ``words_out``."""
+    values = _values(xp, flat, indices, residual_in)
+    codes = stochastic_ternary(xp, values, scale, key)
+    if residual_out is not None:
+        residual_out[...] = values - codes.astype(values.dtype) * values.dtype.type(scale)
+    return codec.encode(xp, codes, out=words_out)
+
+
+def ternary_decode(xp, words, count, codec, ranks, scale, divisor, indices, flat):
+    """Unpack the code sums of ``ranks`` ranks, scale (and divide) them in the compute dtype and
+    scatter them into a zeroed ``flat``."""
+    compute = compute_dtype(flat.dtype).type
+    values = codec.decode(xp, words, count, ranks).astype(compute)
+    values *= compute(scale)
+    if divisor is not None:
+        values /= compute(divisor)
+    return _place(xp, values, indices, flat)

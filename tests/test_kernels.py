@@ -1,0 +1,530 @@
+"""pacmpi.kernels: the fused routes (Numba on NumPy arrays, CUDA on CuPy arrays) against the
+NumPy reference, bit for bit, for every gradient dtype, word dtype and rank count.
+
+The reference always runs on host copies, so a CuPy run is checked against NumPy's bits too.
+Without a GPU, the CUDA source is still compiled and run on the host (g++ and a small shim).
+"""
+import ctypes
+import functools
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pacmpi import kernels
+from pacmpi.hashing import uniform
+from pacmpi.kernels import gpu, reference
+from pacmpi.ternary import TernaryCodec, stochastic_ternary, wire_bits_table
+
+from xp_util import ARRAY_MODULES, asnumpy
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+WORDS = ["int64", "int32", "uint64"]
+RANKS = [1, 2, 3, 4, 7, 16, 64]
+KEY = 0x9E3779B97F4A7C15
+BIG = 70001  # several parallel chunks, above the serial cut-off, an odd tail
+# Scales whose products s * scale are float16 rounding cases: a tie between two normal values
+# (to even), and just above a tie between two subnormals (up, though the kept bits look tied).
+SCALES = (4.0, 1 + 2 ** -11, 2.5 * 2 ** -24 + 2 ** -40)
+
+
+@pytest.fixture(autouse=True)
+def _auto_backend(monkeypatch):
+    monkeypatch.delenv("PACMPI_KERNELS", raising=False)
+    yield
+    kernels.set_backend(None)
+
+
+def _xp_dtypes(xp):
+    """CuPy has no bfloat16."""
+    return [d for d in DTYPES if xp is np or d != BF16]
+
+
+def _fused_route(xp):
+    if xp is np:
+        pytest.importorskip("numba")
+    route = kernels.backend(xp)
+    assert route == ("numba" if xp is np else "cupy")
+    return route
+
+
+def _bits(array):
+    array = np.ascontiguousarray(asnumpy(array))
+    return array.view(f"u{array.dtype.itemsize}") if array.dtype.kind == "f" or \
+        array.dtype == BF16 else array
+
+
+def assert_same(got, want):
+    """Same dtype, shape and bits (NaN payloads included); floats compare as values."""
+    if isinstance(want, float):
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (got, want)
+        return
+    got = asnumpy(got)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def run_both(xp, name, *args):
+    """Kernel ``name`` on the reference (NumPy, host copies) and on the fused route (``xp``).
+
+    Returns ``[(want, got)]``: the return value, then every array argument after the call.
+    Aliased arguments stay aliased in both copies (in-place residuals).
+    """
+    _fused_route(xp)
+    host, device = {}, {}
+    host_args = [host.setdefault(id(a), a.copy()) if isinstance(a, np.ndarray) else a
+                 for a in args]
+    device_args = [device.setdefault(id(a), xp.asarray(a.copy())) if isinstance(a, np.ndarray)
+                   else a for a in args]
+    want = getattr(reference, name)(np, *host_args)
+    got = getattr(kernels, name)(xp, *device_args)
+    pairs = [(got, want)]
+    pairs += [(d, h) for d, h in zip(device_args, host_args) if isinstance(h, np.ndarray)]
+    return pairs
+
+
+def check_both(xp, name, *args):
+    for got, want in run_both(xp, name, *args):
+        assert_same(got, want)
+
+
+def _gradient(rng, size, dtype, spread=3.0):
+    return (rng.standard_normal(size) * spread).astype(dtype)
+
+
+def _survivors(rng, size, density):
+    return np.flatnonzero(rng.random(size) < density).astype(np.int64)
+
+
+def _case(rng, dtype, size, packed, residual):
+    """flat, indices, residual_in and residual_out ('none', 'given' or 'inplace')."""
+    flat = _gradient(rng, size, dtype)
+    indices = _survivors(rng, size, 0.4) if packed else None
+    count = size if indices is None else indices.size
+    compute = reference.compute_dtype(dtype)
+    if residual == "none":
+        return flat, indices, None, None
+    residual_in = (rng.standard_normal(count) * 0.5).astype(compute)
+    residual_out = residual_in if residual == "inplace" else np.empty(count, compute)
+    return flat, indices, residual_in, residual_out
+
+
+# ---------------------------------------------------------------- gather, scatter, absmax
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+def test_gather_and_scatter_match_the_reference(xp):
+    rng = np.random.default_rng(0)
+    for dtype in _xp_dtypes(xp):
+        for size in (0, 1, 7, 5003, BIG):
+            flat = _gradient(rng, size, dtype)
+            for density in (0.0, 0.3, 1.0):
+                indices = _survivors(rng, size, density)
+                check_both(xp, "gather", flat, indices, np.empty(indices.size, dtype))
+                payload = _gradient(rng, indices.size, dtype, spread=100.0)
+                for divisor in (None, 3, 4):
+                    check_both(xp, "scatter", payload, indices, flat, divisor)
+            for divisor in (None, 7):  # dense, in place: payload is flat itself
+                check_both(xp, "scatter", flat, None, flat, divisor)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_every_16_bit_pattern_divides_and_converts_as_numpy(dtype):
+    """All 65536 float16/bfloat16 values (NaN payloads, subnormals, Inf) through a divided
+    scatter (16 -> 32 -> 16-bit conversion and rounding) and a float32 widening gather."""
+    dtype = np.dtype(dtype) if dtype != "bfloat16" else BF16
+    every = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    indices = np.arange(every.size, dtype=np.int64)
+    with np.errstate(all="ignore"):
+        for divisor in (2, 3, 7, 2049):  # 2: subnormals lose a bit, a tie half of the time
+            check_both(np, "scatter", every, None, np.empty_like(every), divisor)
+        check_both(np, "gather", every, indices, np.empty(every.size, np.float32))
+
+
+@pytest.mark.parametrize("target", [np.float16, "bfloat16"])
+def test_float32_rounds_to_16_bits_as_numpy(target):
+    """float32 -> float16/bfloat16 for random bit patterns and every tie and boundary."""
+    target = np.dtype(target) if target != "bfloat16" else BF16
+    rng = np.random.default_rng(1)
+    patterns = [rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)]
+    halves = np.arange(1 << 16, dtype=np.uint32)
+    for shift in (13, 16):  # float16 and bfloat16 drop 13 and 16 significand bits
+        ties = (halves << shift) | (1 << (shift - 1))
+        patterns += [ties, ties - 1, ties + 1, halves << 16]
+    values = np.concatenate(patterns).view(np.float32)
+    indices = np.arange(values.size, dtype=np.int64)
+    with np.errstate(all="ignore"):
+        check_both(np, "gather", values, indices, np.empty(values.size, target))
+
+
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+def test_absmax_matches_the_reference_and_flags_non_finite(xp):
+    rng = np.random.default_rng(2)
+    for dtype in _xp_dtypes(xp):
+        for size in (0, 1, 7, BIG):
+            for packed in (False, True):
+                for residual in ("none", "given"):
+                    flat, indices, res, _ = _case(rng, dtype, size, packed, residual)
+                    check_both(xp, "absmax", flat, indices, res)
+        flat = _gradient(rng, 1000, dtype)
+        for bad in (np.nan, np.inf, -np.inf):
+            flat[rng.integers(1000)] = bad
+            value = kernels.absmax(xp, xp.asarray(flat), None, None)
+            assert not math.isfinite(value)
+            assert_same(value, reference.absmax(np, flat, None, None))
+
+
+def test_absmax_of_nothing_is_zero():
+    assert kernels.absmax(np, np.empty(0, np.float32), None, None) == 0.0
+    assert kernels.absmax(np, np.ones(5, np.float32), np.empty(0, np.int64), None) == 0.0
+
+
+# ---------------------------------------------------------------- ternary encode and decode
+def _encode_decode_both(xp, rng, dtype, word, ranks, size, packed, residual, scale):
+    codec = TernaryCodec(ranks, word)
+    flat, indices, res_in, res_out = _case(rng, dtype, size, packed, residual)
+    count = size if indices is None else indices.size
+    pairs = run_both(xp, "ternary_encode", flat, indices, res_in, res_out, scale, KEY, codec,
+                     np.empty(codec.words_for(count), codec.word_dtype))
+    for got, want in pairs:
+        assert_same(got, want)
+    words = pairs[0][1] * codec.word_dtype.type(ranks)  # as if every rank sent the same codes
+    for divisor in (None, ranks):
+        check_both(xp, "ternary_decode", words, count, codec, ranks, scale, divisor, indices,
+                   np.full(size, 9, dtype))
+
+
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ternary_encode_and_decode_match_the_reference(xp, word, dtype):
+    if xp is not np and dtype == BF16:
+        pytest.skip("CuPy has no bfloat16")
+    rng = np.random.default_rng(3)
+    for ranks in RANKS:
+        for size in (0, 1, 7, 1001):
+            for packed in (False, True):
+                for residual in ("none", "given", "inplace"):
+                    for scale in SCALES:
+                        _encode_decode_both(xp, rng, dtype, word, ranks, size, packed,
+                                            residual, scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for scale in (0.0, -1.0, 1e-50, float("nan")):  # no quantization; 0 in float32
+            _encode_decode_both(xp, rng, dtype, word, 4, 257, True, "given", scale)
+    for packed in (False, True):
+        _encode_decode_both(xp, rng, dtype, word, 7, BIG, packed, "inplace", 4.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(0, 3000), density=st.floats(0.0, 1.0), ranks=st.sampled_from(RANKS),
+       word=st.sampled_from(WORDS), dtype=st.sampled_from(DTYPES),
+       key=st.integers(0, 2 ** 64 - 1), scale=st.floats(0.5, 8.0))
+def test_fused_codec_matches_the_reference_on_random_cases(size, density, ranks, word, dtype,
+                                                           key, scale):
+    rng = np.random.default_rng(size)
+    codec = TernaryCodec(ranks, word)
+    flat = _gradient(rng, size, dtype)
+    indices = _survivors(rng, size, density) if density < 1 else None
+    count = size if indices is None else indices.size
+    residual = (rng.standard_normal(count) * 0.5).astype(reference.compute_dtype(dtype))
+    pairs = run_both(np, "ternary_encode", flat, indices, residual, residual, scale, key, codec,
+                     np.empty(codec.words_for(count), codec.word_dtype))
+    for got, want in pairs:
+        assert_same(got, want)
+    check_both(np, "ternary_decode", pairs[0][1], count, codec, 1, scale, None, indices,
+               np.empty(size, dtype))
+
+
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@pytest.mark.parametrize("word", WORDS)
+def test_summed_words_of_several_ranks_decode_to_the_code_sums(xp, word):
+    _fused_route(xp)
+    rng = np.random.default_rng(4)
+    for ranks in (1, 3, 16):
+        codec = TernaryCodec(ranks, word)
+        size, scale = 3 * codec.digits_per_word + 5, 2.0  # a partial last word
+        indices = _survivors(rng, size, 0.7)
+        total = np.zeros(codec.words_for(indices.size), codec.word_dtype)
+        code_sum = np.zeros(indices.size, np.int64)
+        for rank in range(ranks):
+            flat = _gradient(rng, size, np.float32)
+            words = kernels.ternary_encode(xp, xp.asarray(flat), xp.asarray(indices), None, None,
+                                           scale, KEY + rank, codec,
+                                           xp.empty(codec.words_for(indices.size),
+                                                    codec.word_dtype))
+            total += asnumpy(words)  # word-wise integer SUM, as the all-reduce does
+            code_sum += stochastic_ternary(np, flat[indices], scale, KEY + rank)
+        np.testing.assert_array_equal(codec.decode(np, total, indices.size, ranks), code_sum)
+        out = kernels.ternary_decode(xp, xp.asarray(total), indices.size, codec, ranks, scale,
+                                     ranks, xp.asarray(indices), xp.empty(size, np.float32))
+        expected = np.zeros(size, np.float32)
+        expected[indices] = code_sum.astype(np.float32) * np.float32(scale) / np.float32(ranks)
+        np.testing.assert_array_equal(asnumpy(out), expected)
+
+
+def test_one_rank_decodes_its_own_codes():
+    rng = np.random.default_rng(5)
+    values = _gradient(rng, 999, np.float32)
+    for word in WORDS:
+        codec = TernaryCodec(1, word)
+        words = kernels.ternary_encode(np, values, None, None, None, 4.0, KEY, codec,
+                                       np.empty(codec.words_for(999), codec.word_dtype))
+        decoded = kernels.ternary_decode(np, words, 999, codec, 1, 1.0, None, None,
+                                         np.empty(999, np.float32))
+        np.testing.assert_array_equal(decoded, stochastic_ternary(np, values, 4.0, KEY))
+
+
+def test_the_residual_is_the_quantization_error_and_uses_uniform():
+    values = np.linspace(-1, 1, 101, dtype=np.float32)
+    codec = TernaryCodec(2, "uint64")
+    residual = np.zeros_like(values)
+    words = kernels.ternary_encode(np, values, None, residual, residual, 1.0, KEY, codec,
+                                   np.empty(codec.words_for(101), np.uint64))
+    codes = codec.decode(np, words, 101, ranks=1)
+    np.testing.assert_array_equal(residual, values - codes.astype(np.float32))
+    np.testing.assert_array_equal(np.abs(codes) == 1, uniform(np, 101, KEY) < np.abs(values))
+
+
+def test_unfusable_arrays_take_the_reference_route():
+    rng = np.random.default_rng(6)
+    strided = _gradient(rng, 200, np.float32)[::2]
+    codec = TernaryCodec(4, "int64")
+    got = kernels.ternary_encode(np, strided, None, None, None, 3.0, KEY, codec,
+                                 np.empty(codec.words_for(100), np.int64))
+    want = reference.ternary_encode(np, strided.copy(), None, None, None, 3.0, KEY, codec,
+                                    np.empty(codec.words_for(100), np.int64))
+    np.testing.assert_array_equal(got, want)
+    wide = _gradient(rng, 50, np.float64)  # float64 -> float16 is not fused: NumPy rounds it
+    check_both(np, "gather", wide, np.arange(50), np.empty(50, np.float16))
+
+
+def test_wrong_sizes_and_dtypes_are_refused_before_any_kernel_runs():
+    codec = TernaryCodec(4)
+    flat = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="residual_in must be 10 float32 values"):
+        kernels.ternary_encode(np, flat, None, np.zeros(10, np.float64), None, 1.0, 0, codec,
+                               np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="words_out must be 1 int64 words, got 2 int64"):
+        kernels.ternary_encode(np, flat, None, None, None, 1.0, 0, codec, np.empty(2, np.int64))
+    with pytest.raises(ValueError, match="words must be at least 1 int64 words"):
+        kernels.ternary_decode(np, np.empty(1, np.int32), 10, codec, 4, 1.0, None, None, flat)
+    with pytest.raises(ValueError, match="scatter: 3 values but 2 indices"):
+        kernels.scatter(np, np.ones(3, np.float32), np.arange(2), flat)
+    with pytest.raises(ValueError, match="ternary_decode: 11 values do not fit 10 elements"):
+        kernels.ternary_decode(np, np.zeros(1, np.int64), 11, codec, 4, 1.0, None, None, flat)
+    pytest.importorskip("numba")
+    with pytest.raises(IndexError, match=r"sorted positions in \[0, 10\)"):
+        kernels.gather(np, flat, np.array([3, 10]), np.empty(2, np.float32))
+
+
+# ---------------------------------------------------------------- backend choice
+def test_backend_follows_the_environment_and_set_backend(monkeypatch):
+    monkeypatch.setenv("PACMPI_KERNELS", "numpy")
+    assert kernels.backend(np) == "numpy"
+    kernels.set_backend("auto")
+    assert kernels.backend(np) in ("numba", "numpy")
+    kernels.set_backend(None)
+    assert kernels.backend(np) == "numpy"
+    monkeypatch.setenv("PACMPI_KERNELS", "fast")
+    with pytest.raises(ValueError, match=r"PACMPI_KERNELS: kernel backend must be one of"):
+        kernels.backend(np)
+    with pytest.raises(ValueError, match="set_backend"):
+        kernels.set_backend("cuda")
+
+
+def test_without_numba_auto_falls_back_once_and_numba_is_an_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_cpu", lambda: None)
+    monkeypatch.setattr(kernels, "_cpu_error", ImportError("No module named 'numba'"))
+    monkeypatch.setattr(kernels, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="Numba is not available .*pip install numba"):
+        assert kernels.backend(np) == "numpy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once only
+        assert kernels.absmax(np, np.array([-3.0, 2.0]), None, None) == 3.0
+    kernels.set_backend("numba")
+    with pytest.raises(ImportError, match="PACMPI_KERNELS=numba, but Numba cannot be imported"):
+        kernels.backend(np)
+
+
+def test_warm_up_compiles_every_signature_a_step_needs():
+    pytest.importorskip("numba")
+    from pacmpi.kernels import cpu
+    assert kernels.warm_up() == "numba"
+    words = 2  # uint32 and uint64 views
+    expected = {"gather": 4, "scatter": 4, "absmax": 4, "ternary_encode": 4 * words,
+                "ternary_decode": 4 * words}
+    for name, kernel in cpu._KERNELS.items():
+        assert len(kernel.signatures) >= expected[name], name
+
+
+def test_importing_the_kernels_loads_neither_numba_nor_cupy():
+    code = ("import sys, pacmpi, pacmpi.kernels; "
+            "sys.exit([m for m in ('numba', 'cupy') if m in sys.modules] != [])")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# ---------------------------------------------------------------- uint64 words
+def test_uint64_words_hold_more_digits():
+    assert TernaryCodec(4, "uint64").digits_per_word == 20
+    assert TernaryCodec(4, "uint64").bits_per_value == pytest.approx(3.2)
+    assert TernaryCodec(64, "uint64").digits_per_word == 9
+    assert TernaryCodec(64, "uint64").bits_per_value == pytest.approx(64 / 9)
+    assert TernaryCodec.max_world_size("uint64") == 2 ** 63 - 1
+    assert TernaryCodec(2 ** 63 - 1, "uint64").digits_per_word == 1
+    for n in (1, 2, 5, 1000, 2 ** 31):
+        codec = TernaryCodec(n, "uint64")
+        assert codec.base ** codec.digits_per_word - 1 <= 2 ** 64 - 1
+        assert codec.base ** (codec.digits_per_word + 1) - 1 > 2 ** 64 - 1
+        assert codec.digits_per_word >= TernaryCodec(n, "int64").digits_per_word
+
+
+def test_wire_bits_table_has_a_row_per_word_dtype():
+    rows = wire_bits_table(word_dtype=("int32", "int64", "uint64"))
+    assert [(r["ranks"], r["word_dtype"]) for r in rows[:3]] == [
+        (2, "int32"), (2, "int64"), (2, "uint64")]
+    assert {r["ranks"] for r in rows} == {2, 4, 8, 16, 64, 256, 1024}
+    for row in rows:
+        assert row["log2_2n_plus_1"] <= row["bits_per_value"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_uint64_lane_sums_never_carry_up_to_huge_rank_counts(data):
+    """Encoding is linear: n ranks' summed words are counts times the words of constant codes."""
+    ranks = data.draw(st.one_of(st.integers(1, 100), st.integers(1, 2 ** 40)))
+    codec = TernaryCodec(ranks, "uint64")
+    count = codec.digits_per_word
+    plus = data.draw(st.lists(st.integers(0, ranks), min_size=count, max_size=count))
+    minus = [data.draw(st.integers(0, ranks - p)) for p in plus]
+    word = 0
+    for j in range(count - 1, -1, -1):
+        word = word * codec.base + 2 * plus[j] + (ranks - plus[j] - minus[j])
+    words = np.array([word], dtype=np.uint64)
+    expected = np.array(plus) - np.array(minus)
+    np.testing.assert_array_equal(codec.decode(np, words, count), expected)
+    decoded = kernels.ternary_decode(np, words, count, codec, ranks, 1.0, None, None,
+                                     np.empty(count, np.float64))
+    np.testing.assert_array_equal(decoded, expected.astype(np.float64))
+
+
+# ---------------------------------------------------------------- the CUDA source, on the host
+_SHIM = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+struct dim3_ { unsigned x; };
+static dim3_ blockIdx, threadIdx, blockDim, gridDim;
+#define __device__
+#define __forceinline__ inline
+#define __global__
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline long long __double_as_longlong(double d) {
+    long long u; std::memcpy(&u, &d, 8); return u; }
+static inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64); }
+template<class T> T __shfl_down_sync(unsigned, T v, int) { return v; }  // one thread per warp
+static inline void atomicMax(unsigned long long* p, unsigned long long v) { if (v > *p) *p = v; }
+using std::fabs; using std::max; using std::min;
+"""
+_CTYPE = {"int": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64,
+          "u32": ctypes.c_uint32, "float": ctypes.c_float, "double": ctypes.c_double}
+
+
+class HostCuda:
+    """Runs gpu.SOURCE's kernels on the host, every instantiation gpu.py launches: 3 blocks of
+    1 thread, so the grid-stride loops stride and a warp is one thread. :meth:`kernel`
+    replaces :func:`gpu._kernel`, so gpu.py's own launch code is what gets tested."""
+
+    def __init__(self, tmp_path):
+        self.names, code = {}, [_SHIM, gpu.SOURCE]
+        for number, expression in enumerate(gpu.expressions()):
+            name, ctypes_ = re.fullmatch(r"(\w+)<(.*)>", expression).groups()
+            ctypes_ = [t.strip() for t in ctypes_.split(",")]
+            header = re.search(r"template<([^>]*)>\s*__global__ void %s\((.*?)\)\s*\{" % name,
+                               gpu.SOURCE, re.S)
+            binding = dict(zip([p.split()[-1] for p in header.group(1).split(",")], ctypes_))
+            params = [p.replace("*", " * ").split() for p in header.group(2).split(",")]
+            kinds = [" ".join(binding.get(t, t) for t in p[:-1]) for p in params]
+            declared = ", ".join(f"{k} {p[-1]}" for k, p in zip(kinds, params))
+            call = f"{expression}({', '.join(p[-1] for p in params)})"
+            code.append(f'extern "C" void k{number}({declared}) {{ gridDim.x = 3; '
+                        f'blockDim.x = 1; threadIdx.x = 0; for (unsigned b = 0; b < 3; ++b) '
+                        f'{{ blockIdx.x = b; {call}; }} }}')
+            self.names[expression] = (f"k{number}", kinds)
+        (tmp_path / "k.cpp").write_text("\n".join(code))
+        subprocess.run(["g++", "-O1", "-std=c++14", "-shared", "-fPIC", "-ffp-contract=off",
+                        "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], check=True)
+        self.library = ctypes.CDLL(str(tmp_path / "k.so"))
+
+    def kernel(self, name, *dtypes):
+        symbol, kinds = self.names[gpu._expression(name, *dtypes)]
+
+        def launch(grid, block, args):
+            converted = [ctypes.c_void_p(a.ctypes.data) if "*" in kind else _CTYPE[kind](a)
+                         for kind, a in zip(kinds, args)]
+            getattr(self.library, symbol)(*converted)
+        return launch
+
+
+class _HostCupy:
+    """The few CuPy calls gpu.py makes, on NumPy arrays."""
+    empty, zeros, asarray, asnumpy, take = np.empty, np.zeros, np.asarray, np.asarray, np.take
+
+    class cuda:
+        class Device:
+            id = 0
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+def test_cuda_source_matches_the_reference_when_run_on_the_host(tmp_path, monkeypatch):
+    host = HostCuda(tmp_path)
+    monkeypatch.setattr(gpu, "_kernel", host.kernel)
+    monkeypatch.setattr(gpu, "_cupy", lambda: _HostCupy)
+    monkeypatch.setattr(gpu, "_device_table", functools.lru_cache()(gpu._device_table.__wrapped__))
+    monkeypatch.setattr(kernels, "_cpu", lambda: gpu)  # the "numba" route now runs gpu.py
+    rng = np.random.default_rng(7)
+    for dtype in (np.float16, np.float32, np.float64):
+        for word in ("int32", "uint64"):
+            for ranks in (1, 3, 64):
+                for packed in (False, True):
+                    for residual, scale in zip(("none", "inplace"), SCALES[1:]):
+                        _encode_decode_both(np, rng, dtype, word, ranks, 301, packed, residual,
+                                            scale)
+        for packed in (False, True):
+            flat, indices, residual, _ = _case(rng, dtype, 999, packed, "given")
+            check_both(np, "absmax", flat, indices, residual)
+            flat[rng.integers(999, size=3)] = (np.nan, np.inf, -np.inf)
+            check_both(np, "absmax", flat, indices, None)
+            count = 999 if indices is None else indices.size
+            if packed:
+                check_both(np, "gather", flat, indices, np.empty(count, dtype))
+            for divisor in (None, 3):
+                check_both(np, "scatter", _gradient(rng, count, dtype, 100.0), indices,
+                           np.empty_like(flat), divisor)
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    with np.errstate(all="ignore"):
+        for divisor in (2, 7):
+            check_both(np, "scatter", every, None, np.empty_like(every), divisor)
+
+
+# ---------------------------------------------------------------- the microbenchmark
+def test_codec_benchmark_times_every_op_on_both_routes(tmp_path):
+    from pacmpi.bench import codec
+    pytest.importorskip("numba")
+    out = tmp_path / "codec.json"
+    assert codec.main(["--size", "4K", "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ops = {(r["op"], r["density"], r["route"]) for r in result["rows"]}
+    assert ("gather", 0.5, "numba") in ops and ("gather", 1.0, "numba") not in ops
+    for op in ("absmax", "ternary_encode", "ternary_decode", "scatter"):
+        assert {(op, d, route) for d in (1.0, 0.5) for route in ("numba", "numpy")} <= ops
+    assert all(r["GBps"] > 0 for r in result["rows"])
+    assert [r["op"] for r in result["first_calls"]] == ["import", *codec.OPS[1:]]
