@@ -23,61 +23,18 @@ LayoutMismatchError together, from ``backward()``, before posting payloads of ot
 import contextlib
 import itertools
 import threading
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from pacmpi import Collectives
 from pacmpi.adapters.masks import MaskBinding
+from pacmpi.adapters.torch_collectives import TorchDistCollectives
 from pacmpi.adapters.torch_sync import as_array, as_tensor, numpy_dtype
 from pacmpi.engine import BucketSpec, StepEngine
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.verify import raise_together, run_together
 
 __all__ = ["PacTrainHookState", "TorchDistCollectives", "pactrain_hook"]
-
-
-class TorchDistCollectives(Collectives):
-    """:class:`pacmpi.Collectives` over a ``torch.distributed`` process group (default: the
-    world), in place on NumPy/CuPy arrays. With NCCL, host arrays are staged through ``device``
-    (default: the current CUDA device), which is also made current for object gathers."""
-
-    word_dtypes = ("int64", "int32")
-
-    def __init__(self, process_group=None, device=None):
-        self.group = process_group
-        self.rank, self.size = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self._nccl = dist.get_backend(process_group) == "nccl"
-        self.device = torch.device(device if device is not None else
-                                   torch.cuda.current_device() if self._nccl else "cpu")
-
-    def _start(self, buf, call):
-        tensor = as_tensor(buf)
-        if not (self._nccl and tensor.device.type == "cpu"):
-            return call(tensor)  # a torch Work: wait() completes it
-        staged = tensor.to(self.device)
-        work = call(staged)
-        return SimpleNamespace(wait=lambda: (work.wait(), tensor.copy_(staged)))
-
-    def iallreduce(self, buf, op="sum", name=None):
-        if op not in ("sum", "max"):
-            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
-        kind = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        return self._start(buf, lambda t: dist.all_reduce(t, kind, self.group, async_op=True))
-
-    def allreduce(self, buf, op="sum", name=None):
-        self.iallreduce(buf, op).wait()
-
-    def bcast(self, buf, root=0, name=None):
-        self._start(buf, lambda t: dist.broadcast(t, group=self.group, group_src=root,
-                                                  async_op=True)).wait()
-
-    def allgather_object(self, obj, name=None):
-        out = [None] * self.size
-        with torch.cuda.device(self.device) if self._nccl else contextlib.nullcontext():
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
 
 
 def _on_stream(tensor):

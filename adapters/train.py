@@ -307,7 +307,39 @@ def collectives_for(backend, watchdog=None):
     return adapter.HorovodCollectives()
 
 
-class _HorovodSync:
+class _FrameworkSync:
+    """What the Horovod and DDP backends share: the masks (the engine re-reads these tensors:
+    update them in place), dense-equivalent bytes, counters and the per-step record."""
+
+    def __init__(self, cfg, model, masks):
+        self.masks = masks
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._wire_bytes = self.dense_bytes // 2 if cfg.method == "fp16" else self.dense_bytes
+        self.stats = {"steps": 0, "bytes_sent": 0, "dense_fallbacks": 0,
+                      "packed_reductions": 0, "dense_reductions": 0}
+        self.last_step = {}
+
+    def update_masks(self, masks):
+        with torch.no_grad():
+            for name, mask in masks.items():
+                self.masks[name].copy_(mask)
+
+    def _record(self, counters, sent, **fields):
+        """Account one step: ``counters`` (cumulative bytes_sent, dense_fallbacks, packed and
+        dense reductions of pacmpi's engine) or, for a framework's own method, ``sent`` bytes
+        of one dense reduction; ``fields`` go into ``last_step`` as they are."""
+        before = dict(self.stats)
+        if counters is None:
+            self.stats["bytes_sent"] += sent
+            self.stats["dense_reductions"] += 1
+        else:
+            self.stats.update(counters)
+        self.stats["steps"] += 1
+        self.last_step = {key: self.stats[key] - before[key] for key in self.stats}
+        self.last_step.update(fields, dense_bytes=self.dense_bytes)
+
+
+class _HorovodSync(_FrameworkSync):
     """``--backend horovod``: ``hvd.DistributedOptimizer`` with
     :class:`pacmpi.adapters.horovod.PacTrainCompressor` (pactrain, pactrain-ternary) or Horovod's
     own compression (dense, fp16), behind the few members :func:`run` uses of a sync.
@@ -320,7 +352,7 @@ class _HorovodSync:
 
     def __init__(self, cfg, model, optimizer, masks, enforcer):
         hvd, adapter = _horovod()
-        self.masks = masks  # the compressor re-reads these tensors: update them in place
+        super().__init__(cfg, model, masks)
         op = hvd.Average
         if cfg.method.startswith("pactrain"):
             ternary = cfg.method == "pactrain-ternary"
@@ -334,35 +366,18 @@ class _HorovodSync:
         enforcer.register_grad_hooks()  # GSE before Horovod's hooks see the gradients
         self.optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression, op=op)
-        self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self._wire_bytes = self.dense_bytes // 2 if cfg.method == "fp16" else self.dense_bytes
-        self.stats = {"steps": 0, "bytes_sent": 0, "dense_fallbacks": 0,
-                      "packed_reductions": 0, "dense_reductions": 0}
-        self.last_step = {}
-
-    def update_masks(self, masks):
-        with torch.no_grad():
-            for name, mask in masks.items():
-                self.masks[name].copy_(mask)
 
     def record(self, compute_seconds, step_seconds):
         """Account one step: ``step_seconds`` is the time ``optimizer.step()`` took."""
-        before = dict(self.stats)
-        if self.compressor is None:
-            self.stats["bytes_sent"] += self._wire_bytes
-            self.stats["dense_reductions"] += 1
-        else:
-            c = self.compressor.stats
-            self.stats.update(bytes_sent=c["bytes_sent"], dense_fallbacks=c["dense_fallbacks"],
-                              packed_reductions=c["packed_tensors"],
-                              dense_reductions=c["dense_tensors"])
-        self.stats["steps"] += 1
-        self.last_step = {key: self.stats[key] - before[key] for key in self.stats}
-        self.last_step.update(compute_seconds=compute_seconds, comm_seconds=step_seconds,
-                              wait_seconds=step_seconds, dense_bytes=self.dense_bytes)
+        c = None if self.compressor is None else self.compressor.stats
+        self._record(None if c is None else dict(
+            bytes_sent=c["bytes_sent"], dense_fallbacks=c["dense_fallbacks"],
+            packed_reductions=c["packed_tensors"], dense_reductions=c["dense_tensors"]),
+            self._wire_bytes, compute_seconds=compute_seconds, comm_seconds=step_seconds,
+            wait_seconds=step_seconds)
 
 
-class _DDPSync:
+class _DDPSync(_FrameworkSync):
     """``--backend ddp``: the model wrapped in ``DistributedDataParallel`` with
     :func:`pacmpi.adapters.ddp.pactrain_hook` (pactrain, pactrain-ternary), DDP's default
     all-reduce (dense), ``fp16_compress_hook`` or ``powerSGD_hook``; the few members :func:`run`
@@ -376,7 +391,8 @@ class _DDPSync:
 
         from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
 
-        self.masks, self.state, self.powersgd = masks, None, None
+        super().__init__(cfg, model, masks)
+        self.state, self.powersgd = None, None
         self.ddp = DistributedDataParallel(model)
         if cfg.method.startswith("pactrain"):
             self.state = PacTrainHookState(
@@ -390,42 +406,24 @@ class _DDPSync:
                 process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                 start_powerSGD_iter=2, random_seed=cfg.seed)
             self.ddp.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
-        self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self._wire_bytes = self.dense_bytes // 2 if cfg.method == "fp16" else self.dense_bytes
         self._powersgd_numel, self._seconds = 0, {}
-        self.stats = {"steps": 0, "bytes_sent": 0, "dense_fallbacks": 0,
-                      "packed_reductions": 0, "dense_reductions": 0}
-        self.last_step = {}
-
-    def update_masks(self, masks):
-        with torch.no_grad():
-            for name, mask in masks.items():
-                self.masks[name].copy_(mask)
 
     def record(self, compute_seconds, step_seconds):
         """Account one step (``step_seconds``: ``optimizer.step()``, local under DDP)."""
-        before, extra = dict(self.stats), {"comm_seconds": 0.0}
+        counters, sent, extra = None, self._wire_bytes, {"comm_seconds": 0.0}
         if self.state is not None:
             s = self.state.stats
-            self.stats.update(bytes_sent=s["bytes_sent"], dense_fallbacks=s["dense_fallbacks"],
-                              packed_reductions=s["packed_reductions"],
-                              dense_reductions=s["dense_reductions"])
+            counters = {key: s[key] for key in ("bytes_sent", "dense_fallbacks",
+                                                "packed_reductions", "dense_reductions")}
             for key in ("pack_seconds", "comm_seconds", "unpack_seconds", "verify_seconds"):
                 extra[key] = s[key] - self._seconds.get(key, 0.0)
                 self._seconds[key] = s[key]
-        else:
-            sent = self._wire_bytes
-            if self.powersgd is not None:  # cumulative elements sent once compression starts
-                numel = self.powersgd.total_numel_after_compression
-                sent = (numel - self._powersgd_numel) * 4 if numel > self._powersgd_numel \
-                    else self.dense_bytes
-                self._powersgd_numel = numel
-            self.stats["bytes_sent"] += sent
-            self.stats["dense_reductions"] += 1
-        self.stats["steps"] += 1
-        self.last_step = {key: self.stats[key] - before[key] for key in self.stats}
-        self.last_step.update(extra, compute_seconds=compute_seconds, wait_seconds=0.0,
-                              dense_bytes=self.dense_bytes)
+        elif self.powersgd is not None:  # cumulative elements sent once compression starts
+            numel = self.powersgd.total_numel_after_compression
+            sent = (numel - self._powersgd_numel) * 4 if numel > self._powersgd_numel \
+                else self.dense_bytes
+            self._powersgd_numel = numel
+        self._record(counters, sent, compute_seconds=compute_seconds, wait_seconds=0.0, **extra)
 
 
 class _StepLog:

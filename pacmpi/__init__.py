@@ -5,6 +5,7 @@ The core needs only NumPy and mpi4py; CuPy arrays are handled when the caller us
 from .arrays import array_module, is_device_array, supported_float_dtypes
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketLayout
 from .collectives import Collectives, MPICollectives, default_collectives
+from .engine import BucketSpec, StepEngine
 from .errors import (ConsistencyError, LayoutMismatchError, MaskMismatchError, PacmpiError,
                      RankInputError)
 from .hashing import mask_fingerprint
@@ -15,7 +16,7 @@ from .tracker import MaskTracker
 __version__ = "0.1.0"
 
 __all__ = [
-    "PacTrainReducer", "MaskTracker", "TernaryCodec", "BucketLayout", "Bucket",
+    "PacTrainReducer", "StepEngine", "BucketSpec", "MaskTracker", "TernaryCodec", "BucketLayout", "Bucket",
     "Collectives", "MPICollectives", "default_collectives",
     "PacmpiError", "ConsistencyError", "MaskMismatchError", "LayoutMismatchError",
     "RankInputError", "QUANTIZE_MODES", "MISMATCH_POLICIES", "DEFAULT_BUCKET_BYTES",

@@ -215,22 +215,16 @@ def _build_numba_half_kernels(hardware=None):
     signature = types.void(types.voidptr, types.voidptr, types.CPointer(types.int32),
                            types.voidptr)
 
-    if hardware:
-        @cfunc(signature)
-        def float16_sum(invec, inoutvec, length, datatype):
-            n = length[0]
-            src = carray(invec, n, dtype=np.uint16)
-            acc = carray(inoutvec, n, dtype=np.uint16)
-            for i in range(n):
-                acc[i] = f32_to_half_hw(half_to_f32_hw(acc[i]) + half_to_f32_hw(src[i]))
-    else:
-        @cfunc(signature)
-        def float16_sum(invec, inoutvec, length, datatype):
-            n = length[0]
-            src = carray(invec, n, dtype=np.uint16)
-            acc = carray(inoutvec, n, dtype=np.uint16)
-            for i in range(n):
-                acc[i] = f32_to_half_bits(half_to_f32_bits(acc[i]) + half_to_f32_bits(src[i]))
+    to_f32, to_half = ((half_to_f32_hw, f32_to_half_hw) if hardware
+                       else (half_to_f32_bits, f32_to_half_bits))
+
+    @cfunc(signature)
+    def float16_sum(invec, inoutvec, length, datatype):
+        n = length[0]
+        src = carray(invec, n, dtype=np.uint16)
+        acc = carray(inoutvec, n, dtype=np.uint16)
+        for i in range(n):
+            acc[i] = to_half(to_f32(acc[i]) + to_f32(src[i]))
 
     @cfunc(signature)
     def bfloat16_sum(invec, inoutvec, length, datatype):

@@ -14,13 +14,15 @@ def main(argv=None):
     from mpi4py import MPI
 
     from . import __version__
-    from .collectives import MPICollectives
-    from .ternary import wire_bits_table
+    from .collectives import MPICollectives, half_sum_route
+    from .kernels import backend
+    from .ternary import format_wire_bits
 
     print(f"pacmpi {__version__}; numpy {np.__version__}")
     print(MPI.Get_library_version().strip().splitlines()[0])
     print(f"CUDA-aware MPI: {MPICollectives().cuda_aware}")
-    for row in wire_bits_table():
-        print(f"ternary on {row['ranks']:>2} ranks: {row['bits_per_value']:.3f} bits/value "
-              f"(bound log2(2n+1) = {row['log2_2n_plus_1']:.3f})")
+    print(f"codec kernels: {backend(np)} (NumPy arrays); float16/bfloat16 sums: "
+          f"{half_sum_route()}")
+    print("ternary bits/value on the wire (digits per word), by word type:")
+    print(format_wire_bits())
     return 0

@@ -13,7 +13,8 @@ import numpy as np
 
 from .hashing import splitmix64_int, uniform
 
-__all__ = ["TernaryCodec", "stochastic_ternary", "ternary_key", "wire_bits_table"]
+__all__ = ["TernaryCodec", "format_wire_bits", "stochastic_ternary", "ternary_key",
+           "wire_bits_table"]
 
 _WORD_DTYPES = {"int64": np.int64, "int32": np.int32, "uint64": np.uint64}
 
@@ -137,3 +138,17 @@ def wire_bits_table(world_sizes=(2, 4, 8, 16, 64, 256, 1024), word_dtype="int64"
                 "log2_2n_plus_1": math.log2(2 * n + 1),
             })
     return rows
+
+
+def format_wire_bits(world_sizes=(2, 4, 8, 16, 64, 256, 1024), word_dtypes=("int64", "uint64")):
+    """A text table: ternary bits per value on the wire for each word type (digits per word in
+    brackets) next to the ``log2(2n+1)`` bound, one line per rank count."""
+    rows = wire_bits_table(world_sizes, word_dtypes)
+    lines = [f"{'ranks':>6} " + " ".join(f"{w + ' bits':>17}" for w in word_dtypes)
+             + f" {'log2(2n+1)':>11}"]
+    for n in world_sizes:
+        mine = [r for r in rows if r["ranks"] == n]
+        lines.append(f"{n:>6} " + " ".join(
+            f"{r['bits_per_value']:>11.3f} ({r['digits_per_word']:>2})" for r in mine)
+            + f" {mine[0]['log2_2n_plus_1']:>11.3f}")
+    return "\n".join(lines)

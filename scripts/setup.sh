@@ -37,4 +37,7 @@ if ! "$py" -c "import horovod.torch" 2>/dev/null; then
 fi
 
 "${pip[@]}" --no-deps -e "$here"
+# Compile the Numba codec kernels once into their on-disk cache (about 25 s the first time,
+# about 1 s when cached), so no training step or test waits for the compiler.
+"$py" -c "import pacmpi.kernels as k; print('codec kernels:', k.warm_up())"
 echo "pacmpi set-up done: $venv"

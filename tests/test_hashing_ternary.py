@@ -111,3 +111,15 @@ def test_stochastic_ternary_negative_control_detects_bias():
     values = np.linspace(-2.0, 2.0, 201)
     biased = np.rint(values / 2.0) * 2.0
     assert np.max(np.abs(biased - values)) > 5 * 1.0 / math.sqrt(4000)
+
+
+def test_uint64_words_are_within_one_and_a_half_percent_of_the_bound():
+    from pacmpi.ternary import format_wire_bits
+    for ranks, digits in ((4, 20), (64, 9)):
+        codec = TernaryCodec(ranks, "uint64")
+        assert codec.digits_per_word == digits
+        assert codec.bits_per_value <= 1.015 * math.log2(2 * ranks + 1)
+        assert TernaryCodec(ranks, "int64").bits_per_value > codec.bits_per_value
+    table = format_wire_bits((4, 64)).splitlines()
+    assert "3.368 (19)" in table[1] and "3.200 (20)" in table[1] and "3.170" in table[1]
+    assert "7.111 ( 9)" in table[2]

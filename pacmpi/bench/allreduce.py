@@ -16,7 +16,7 @@ import numpy as np
 from ..arrays import to_host
 from ..collectives import default_collectives
 from ..reducer import PacTrainReducer
-from ..ternary import wire_bits_table
+from ..ternary import format_wire_bits, wire_bits_table
 
 __all__ = ["METHODS", "parse_size", "run", "format_table", "main"]
 
@@ -214,14 +214,12 @@ def main(argv=None):
     wrong = sum(r["wrong"] for r in rows)
     if collectives.rank == 0:
         print(format_table(rows))
-        bits = wire_bits_table((2, 4, 8, 16, 64))
-        print("\nternary bits per value on the wire (int64 words):")
-        for b in bits:
-            print(f"  {b['ranks']:>3} ranks: {b['bits_per_value']:.3f} bits "
-                  f"(log2(2n+1) = {b['log2_2n_plus_1']:.3f}, {b['digits_per_word']} per word)")
+        print("\nternary bits/value on the wire (digits per word), by word type:")
+        print(format_wire_bits())
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"ranks": collectives.size, "rows": rows, "ternary_bits": bits},
+                json.dump({"ranks": collectives.size, "rows": rows,
+                           "ternary_bits": wire_bits_table(word_dtype=("int64", "uint64"))},
                           fh, indent=2)
         if wrong:
             print(f"VALIDATION FAILED: {wrong} wrong elements")
