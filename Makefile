@@ -23,7 +23,7 @@ wheel: setup
 	$(PY) -m build --no-isolation --outdir dist
 
 bench-allreduce: setup
-	$(VENV)/bin/pacmpi-run -n $(RANKS) --oversubscribe -- $(PY) -m pacmpi.cli bench allreduce --json results/bench_allreduce.json
+	$(VENV)/bin/pacmpi-run -n $(RANKS) --oversubscribe -- $(PY) -m pacmpi.cli bench allreduce --sizes 64M --densities 1.0,0.5,0.2 --iters 5 --warmup 2 --json results/bench_allreduce_$(RANKS)r.json
 
 bench-train: setup
 	$(VENV)/bin/pacmpi bench train --out-dir results

@@ -35,7 +35,7 @@ DDP_SNIPPET = re.compile(r"```python\n(from pacmpi\.adapters\.ddp import .*?)```
 # ran: pruned coordinates' gradients exactly 0 (DDP's default all-reduce would average
 # nonzero ones), kept ones not, every rank's gradients identical, DDP names the hook.
 DDP_SNIPPET_CHECK = """
-import re, sys
+import os, re, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -68,7 +68,9 @@ for step in range(3):
     optimizer.step()
 print(f"OK ddp readme rank {rank}", flush=True)
 dist.barrier()
-dist.destroy_process_group()
+# torch 2.13's gloo sometimes aborts a process at interpreter exit ("terminate called without
+# an active exception", destroy_process_group() or not), more often on a loaded host: skip it.
+os._exit(0)
 """
 
 
@@ -194,7 +196,8 @@ def run_in_fresh_shell(line, scratch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("command", TORCHRUN_COMMANDS)
+@pytest.mark.parametrize("command", TORCHRUN_COMMANDS,
+                         ids=["standalone", "multi-node form as one node"])
 def test_quick_start_torchrun_command_runs_as_written(command, scratch):
     line = (as_one_node(command) if "--rdzv-endpoint" in command else command)
     line += short_run(command, scratch / "cache")

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from .. import kernels
+from ..arrays import synchronize
 from ..ternary import TernaryCodec, ternary_key
 
 __all__ = ["OPS", "run", "format_table", "build_parser", "main"]
@@ -32,48 +33,51 @@ def _parse_count(text):
 class _Bucket:
     """One bucket's buffers at one density, and each op as a call on them."""
 
-    def __init__(self, size, density, codec, seed=0):
+    def __init__(self, size, density, codec, xp=np, seed=0):
         rng = np.random.default_rng(seed)
-        self.flat = rng.standard_normal(size).astype(np.float32)
-        self.indices = None if density >= 1 else np.flatnonzero(rng.random(size) < density)
-        self.count = size if self.indices is None else self.indices.size
-        self.residual = (rng.standard_normal(self.count) * 0.1).astype(np.float32)
+        self.xp = xp
+        self.flat = xp.asarray(rng.standard_normal(size).astype(np.float32))
+        indices = None if density >= 1 else np.flatnonzero(rng.random(size) < density)
+        self.indices = None if indices is None else xp.asarray(indices)
+        self.count = size if indices is None else indices.size
+        self.residual = xp.asarray((rng.standard_normal(self.count) * 0.1).astype(np.float32))
         self.codec = codec
-        self.scale = kernels.reference.absmax(np, self.flat, self.indices, self.residual)
+        self.scale = kernels.reference.absmax(xp, self.flat, self.indices, self.residual)
         self.key = ternary_key(seed, 0, 0, 0)
-        self.words = np.empty(codec.words_for(self.count), codec.word_dtype)
-        kernels.reference.ternary_encode(np, self.flat, self.indices, None, None, self.scale,
+        self.words = xp.empty(codec.words_for(self.count), codec.word_dtype)
+        kernels.reference.ternary_encode(xp, self.flat, self.indices, None, None, self.scale,
                                          self.key, codec, self.words)
         self.summed = self.words * codec.word_dtype.type(codec.world_size)
-        self.packed = np.empty(self.count, np.float32)
-        self.out = np.empty(size, np.float32)
+        self.packed = xp.empty(self.count, np.float32)
+        self.out = xp.empty(size, np.float32)
 
     def call(self, op):
         """A no-argument callable running ``op`` (None where it does not apply: no gather and
         an in-place scatter when dense)."""
-        n, c = self.codec.world_size, self.codec
+        n, c, xp = self.codec.world_size, self.codec, self.xp
         calls = {
-            "copyto": lambda: np.copyto(self.out, self.flat),
-            "absmax": lambda: kernels.absmax(np, self.flat, self.indices, self.residual),
+            "copyto": lambda: xp.copyto(self.out, self.flat),
+            "absmax": lambda: kernels.absmax(xp, self.flat, self.indices, self.residual),
             "ternary_encode": lambda: kernels.ternary_encode(
-                np, self.flat, self.indices, self.residual, self.residual, self.scale, self.key,
+                xp, self.flat, self.indices, self.residual, self.residual, self.scale, self.key,
                 c, self.words),
             "ternary_decode": lambda: kernels.ternary_decode(
-                np, self.summed, self.count, c, n, self.scale, n, self.indices, self.out),
+                xp, self.summed, self.count, c, n, self.scale, n, self.indices, self.out),
             "gather": None if self.indices is None else
-            lambda: kernels.gather(np, self.flat, self.indices, self.packed),
-            "scatter": (lambda: kernels.scatter(np, self.out, None, self.out, n))
+            lambda: kernels.gather(xp, self.flat, self.indices, self.packed),
+            "scatter": (lambda: kernels.scatter(xp, self.out, None, self.out, n))
             if self.indices is None else
-            (lambda: kernels.scatter(np, self.packed, self.indices, self.out, n)),
+            (lambda: kernels.scatter(xp, self.packed, self.indices, self.out, n)),
         }
         return calls[op]
 
 
-def _times(call, repeat):
+def _times(call, repeat, xp):
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         call()
+        synchronize(xp)  # GPU kernels are asynchronous: time them to completion
         times.append(time.perf_counter() - started)
     return times
 
@@ -98,12 +102,13 @@ def _first_calls(buckets, route, import_seconds):
 
 
 def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word="uint64",
-        reference=True):
-    """Time every op; returns ``{"config", "first_calls", "rows"}`` (JSON-able)."""
+        reference=True, xp=np):
+    """Time every op on ``xp``'s arrays (NumPy, or CuPy for the GPU kernels); returns
+    ``{"config", "first_calls", "rows"}`` (JSON-able)."""
     codec = TernaryCodec(ranks, word)
-    buckets = [_Bucket(size, d, codec) for d in densities]
+    buckets = [_Bucket(size, d, codec, xp) for d in densities]
     started = time.perf_counter()
-    fused = kernels.backend(np)  # imports Numba
+    fused = kernels.backend(xp)  # imports Numba
     import_seconds = time.perf_counter() - started
     if fused == "numba":
         import numba
@@ -118,7 +123,7 @@ def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word=
             for route in ([] if call is None else ["numpy"] if op == "copyto" else routes):
                 kernels.set_backend("numpy" if route == "numpy" else "auto")
                 try:
-                    times = _times(call, repeat)
+                    times = _times(call, repeat, xp)
                 finally:
                     kernels.set_backend(None)
                 best = min(times)
@@ -127,6 +132,7 @@ def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word=
                              "route": route, "best_s": best, "median_s": statistics.median(times),
                              "GBps": size * 4 / best / 1e9, "vs_copyto": best / copy_seconds})
     config = {"size": size, "densities": list(densities), "threads": threads, "ranks": ranks,
+              "device": "cpu" if xp is np else "cuda",
               "word_dtype": word, "digits_per_word": codec.digits_per_word, "repeat": repeat,
               "fused_route": fused, "dense_bytes": size * 4}
     if fused == "numba":
@@ -173,6 +179,8 @@ def build_parser(parser=None):
     parser.add_argument("--word", choices=("int64", "int32", "uint64"), default="uint64")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the (slow) NumPy reference timings")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="NumPy arrays (Numba kernels) or CuPy arrays (CUDA kernels)")
     parser.add_argument("--json", default=None, help="write the result to this JSON file")
     return parser
 
@@ -181,8 +189,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     # Numba's pool is sized once, from this variable, when it starts.
     os.environ.setdefault("NUMBA_NUM_THREADS", str(max(args.threads, os.cpu_count() or 1)))
+    xp = np
+    if args.device == "cuda":
+        import cupy as xp
     result = run(args.size, [float(d) for d in args.densities.split(",")], args.threads,
-                 args.repeat, args.ranks, args.word, reference=not args.no_reference)
+                 args.repeat, args.ranks, args.word, reference=not args.no_reference, xp=xp)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as fh:
