@@ -2,8 +2,8 @@
 
 - :mod:`.launchers`: find ``mpirun``/``horovodrun``/``torchrun`` (explicit choice,
   ``$PACMPI_<NAME>``, the running Python's ``bin``, ``PATH``).
-- :mod:`.mpi`: detect Open MPI 4/5, MPICH or Intel MPI and build ``mpirun``/``horovodrun``
-  command lines.
+- :mod:`.mpi`: detect Open MPI 4/5, MPICH or Intel MPI and build ``mpirun``/``horovodrun``/
+  ``torchrun`` command lines.
 - :mod:`.testbed`: :class:`LinkTestbed`, one shared shaped link in a network namespace, with
   a calibration that refuses rates more than 15% off nominal.
 - :mod:`.runner`: :func:`run_command`, the Python API behind the CLI.
@@ -16,8 +16,8 @@ from .failure import RankFailure, describe_failure, parse_rank_failure
 from .launchers import (Launcher, LauncherNotFoundError, env_variable, find_launcher,
                         locate_launcher, python_env_bin)
 from .mpi import (MPIDetectionError, MPIFlavor, build_horovodrun_command, build_mpirun_command,
-                  detect_mpi, parse_mpi_version, ring_allreduce_settings)
-from .runner import TIMEOUT_EXIT, RunResult, run_command
+                  build_torchrun_command, detect_mpi, parse_mpi_version, ring_allreduce_settings)
+from .runner import TIMEOUT_EXIT, RunResult, parse_torchrun_failure, run_command
 from .testbed import (CalibrationError, LinkTestbed, TestbedError, format_rate, link_model,
                       parse_rate, probe_testbed)
 
@@ -25,9 +25,9 @@ __all__ = [
     "find_launcher", "locate_launcher", "Launcher", "LauncherNotFoundError", "env_variable",
     "python_env_bin",
     "MPIFlavor", "MPIDetectionError", "parse_mpi_version", "detect_mpi", "build_mpirun_command",
-    "build_horovodrun_command", "ring_allreduce_settings",
+    "build_horovodrun_command", "build_torchrun_command", "ring_allreduce_settings",
     "LinkTestbed", "TestbedError", "CalibrationError", "parse_rate", "format_rate", "link_model",
     "probe_testbed",
-    "RunResult", "run_command", "TIMEOUT_EXIT",
+    "RunResult", "run_command", "TIMEOUT_EXIT", "parse_torchrun_failure",
     "RankFailure", "parse_rank_failure", "describe_failure",
 ]

@@ -1,13 +1,14 @@
 """Run worker scripts under mpirun (or torchrun) with a hard timeout, so a hang fails fast."""
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["MPI_SCRIPTS", "mpirun_argv", "run_bounded", "run_mpi", "run_horovod_gloo",
-           "run_torchrun", "netns_skip_reason"]
+__all__ = ["MPI_SCRIPTS", "assert_mismatch_reported", "mpirun_argv", "run_bounded", "run_mpi",
+           "run_horovod_gloo", "run_torchrun", "netns_skip_reason"]
 
 MPI_SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
@@ -92,3 +93,17 @@ def netns_skip_reason():
         return f"`ip netns add` failed here: {done.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
+
+
+def assert_mismatch_reported(result, n, parameter):
+    """Every one of ``n`` ranks stopped at step 2 with MaskMismatchError naming the last rank
+    and ``parameter``, whose mask it moved; the job exited non-zero."""
+    text = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode != 0, text
+    for rank in range(n):
+        assert f"rank {rank} finished step 1" in result.stdout, text
+        assert f"rank {rank} finished step 2" not in result.stdout, text
+        assert re.search(rf"rank {rank} raised MaskMismatchError: ranks disagree on mask\S* .*"
+                         rf"at step 2; offending ranks: \[{n - 1}\]", result.stdout), text
+    assert f"rank {n - 1} on " in result.stdout, text
+    assert f"masks differ from rank 0's for [{parameter!r}]" in result.stdout, text
