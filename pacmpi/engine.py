@@ -257,16 +257,8 @@ class StepEngine:
         floats the integer order is the float order, so MAX over the bits is the MAX scale);
         zeros when ``scale_flats`` is None (a rank with bad input: the step raises anyway)."""
         flats = scale_flats() if fused and scale_flats is not None else {}
-        fields = {}
-        for b, indices in fused.items():
-            scale = 0.0
-            if flats:
-                flat = flats[b]
-                residual = self._residual_for(b, array_module(flat),
-                                              _compute_dtype(flat.dtype), indices)
-                scale = kernels.absmax(array_module(flat), flat, indices, residual)
-            fields[f"scale{b}"] = _float_bits(scale)
-        return fields
+        return {f"scale{b}": _float_bits(self._local_absmax(b, flats[b]) if flats else 0.0)
+                for b in fused}
 
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
@@ -439,6 +431,8 @@ class StepEngine:
         self._scales.update(zip(order, local))
 
     def _local_absmax(self, b, flat):
+        """This rank's max |gradient + residual| over what bucket ``b`` sends (masking first
+        on the dense path, a no-op for the steady buckets of :meth:`_steady_buckets`)."""
         xp = array_module(flat)
         indices = self.packed_indices(b)
         self._apply_mask(b, flat, indices)
