@@ -339,8 +339,9 @@ class PacTrainSync(_HookedSync):
         ``"pactrain"`` (only surviving coordinates are sent), ``"pactrain-ternary"`` (those,
         ternary-quantized with error feedback), ``"dense"`` (plain all-reduce of whole
         gradients) or ``"fp16"`` (whole gradients as float16).
-    bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average:
-        Passed to :class:`pacmpi.PacTrainReducer`.
+    bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average, error_feedback:
+        Passed to :class:`pacmpi.PacTrainReducer` (``error_feedback`` only matters for
+        ``"pactrain-ternary"``).
     collectives:
         Another :class:`pacmpi.Collectives` transport instead of ``comm``.
     abort_on_error:
@@ -350,7 +351,8 @@ class PacTrainSync(_HookedSync):
 
     def __init__(self, model, *, comm=None, masks=None, method="pactrain",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
-                 stable_steps=1, seed=0, average=True, collectives=None, abort_on_error=None):
+                 stable_steps=1, seed=0, average=True, error_feedback=True, collectives=None,
+                 abort_on_error=None):
         if method not in _REDUCER_MODES:
             raise ValueError(f"method must be one of {tuple(_REDUCER_MODES)}, got {method!r}"
                              + ("; use TopKSync for 'topk'" if method == "topk" else ""))
@@ -362,7 +364,8 @@ class PacTrainSync(_HookedSync):
             reducer_masks, comm=comm, collectives=collectives, quantize=quantize,
             average=average, bucket_bytes=bucket_bytes, verify_every=verify_every,
             on_mismatch=on_mismatch, stable_steps=stable_steps, seed=seed,
-            abort_on_error=abort_on_error, shapes=[tuple(p.shape) for p in self.params],
+            error_feedback=error_feedback, abort_on_error=abort_on_error,
+            shapes=[tuple(p.shape) for p in self.params],
             dtypes=[numpy_dtype(p.dtype) for p in self.params])
         self.collectives = self.reducer.collectives
         layout = self.reducer.layout

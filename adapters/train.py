@@ -43,30 +43,38 @@ import torch
 import torch.nn.functional as F
 
 from pacmpi import MPICollectives
+from pacmpi.adapters.baselines import METHODS as BASELINE_METHODS
+from pacmpi.adapters.baselines import make_baseline
 from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkpoint
-from pacmpi.adapters.data import iterate_minibatches, load_cifar10, load_digits_split, shard
+from pacmpi.adapters.data import (iterate_minibatches, load_cifar10, load_digits32_split,
+                                  load_digits_split, shard)
 from pacmpi.adapters.models import build_model, count_parameters
 from pacmpi.adapters.pruning import GradualPruningSchedule, MaskEnforcer, prune
 from pacmpi.adapters.torch_sync import METHODS as SYNC_METHODS
 from pacmpi.adapters.torch_sync import (barrier, broadcast_buffers, broadcast_object,
                                        broadcast_parameters, make_sync)
 
-__all__ = ["TrainConfig", "build_parser", "collectives_for", "fine_tune", "main", "parse_gradual",
-           "parse_watchdog", "run"]
+__all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "fine_tune", "main",
+           "parse_gradual", "parse_watchdog", "pretrained_state", "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("mpi", "horovod", "ddp")
-METHODS = SYNC_METHODS + ("powersgd",)
+METHODS = SYNC_METHODS + BASELINE_METHODS + ("powersgd",)
+# Methods whose synchronized p.grad estimates the average gradient (DGC's carries its momentum).
+PROBED_METHODS = SYNC_METHODS + ("terngrad",)
+# The all-gather baselines run over mpi4py (--backend mpi).
+GATHER_METHODS = ("topk",) + BASELINE_METHODS
 DDP_METHODS = ("dense", "fp16", "powersgd", "pactrain", "pactrain-ternary")
+DATASETS = ("digits", "digits32", "cifar10")  # digits32: the digits upscaled to 32x32
 
 
 @dataclasses.dataclass
 class TrainConfig:
     """Every knob of the job; the command-line flags carry the same names (``--batch-size``)."""
 
-    dataset: str = "digits"            # "digits" (scikit-learn, offline) or "cifar10"
+    dataset: str = "digits"            # "digits" (scikit-learn, offline), "digits32" or "cifar10"
     data_dir: Optional[str] = None     # CIFAR-10 location (never downloaded)
-    model: Optional[str] = None        # digits_cnn | mlp | cifar_cnn (default by dataset)
+    model: Optional[str] = None        # digits_cnn | mlp | cifar_cnn | resnet18 (default by dataset)
     width: int = 32                    # CNN channels of the first conv
     hidden: str = "256"                # hidden units: one int (CNN) or a list "2048,1024" (MLP)
     pretrained: Optional[str] = None   # cache of the densely pretrained model
@@ -82,7 +90,9 @@ class TrainConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
-    topk_ratio: float = 0.01
+    topk_ratio: float = 0.01           # kept fraction for topk and dgc
+    error_feedback: bool = True        # pactrain-ternary and topk residuals (--no-error-feedback)
+    bias_probe: bool = False           # exact average alongside (extra all-reduce), error stats
     powersgd_rank: int = 1             # --method powersgd (--backend ddp): approximation rank
     bucket_bytes: int = 25 * 1024 * 1024
     verify_every: int = 1
@@ -123,17 +133,23 @@ def _config(config):
     checks = [(cfg.method in METHODS, f"method must be one of {METHODS}"),
               (cfg.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
               (cfg.backend in BACKENDS, f"backend must be one of {BACKENDS}"),
-              (cfg.dataset in ("digits", "cifar10"), "dataset must be digits or cifar10"),
+              (cfg.dataset in DATASETS, f"dataset must be one of {DATASETS}, got {cfg.dataset!r}"),
               (cfg.dataset != "cifar10" or cfg.data_dir, "--dataset cifar10 needs --data-dir"),
               (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint"),
-              (cfg.backend != "horovod" or cfg.method not in ("topk", "powersgd"),
+              (cfg.backend != "horovod" or cfg.method not in GATHER_METHODS + ("powersgd",),
                "--backend horovod supports --method dense|fp16|pactrain|pactrain-ternary; "
-               "run --method topk with --backend mpi"),
+               f"run --method {'|'.join(GATHER_METHODS)} with --backend mpi"),
               (cfg.backend != "ddp" or cfg.method in DDP_METHODS,
                f"--backend ddp supports --method {'|'.join(DDP_METHODS)}"),
               (cfg.method != "powersgd" or cfg.backend == "ddp",
                "--method powersgd is DDP's powerSGD_hook: use --backend ddp"),
               (cfg.powersgd_rank >= 1, "--powersgd-rank must be at least 1"),
+              (cfg.error_feedback or cfg.method in ("pactrain-ternary", "topk"),
+               f"--no-error-feedback applies to pactrain-ternary and topk, not {cfg.method}"),
+              (cfg.method != "dgc" or cfg.optimizer == "sgd",
+               "--method dgc corrects SGD momentum: use --optimizer sgd"),
+              (not cfg.bias_probe or (cfg.backend == "mpi" and cfg.method in PROBED_METHODS),
+               f"--bias-probe needs --backend mpi and --method {'|'.join(PROBED_METHODS)}"),
               (cfg.backend == "mpi" or not cfg.checkpoint,
                f"--backend {cfg.backend} does not support --checkpoint/--resume; "
                "use --backend mpi"),
@@ -145,7 +161,7 @@ def _config(config):
     if cfg.watchdog:
         parse_watchdog(cfg.watchdog)
     if cfg.model is None:
-        cfg.model = "cifar_cnn" if cfg.dataset == "cifar10" else "digits_cnn"
+        cfg.model = {"cifar10": "cifar_cnn", "digits32": "resnet18"}.get(cfg.dataset, "digits_cnn")
     return cfg
 
 
@@ -164,6 +180,8 @@ def parse_watchdog(text):
 def _load_data(cfg):
     if cfg.dataset == "cifar10":
         return load_cifar10(cfg.data_dir)
+    if cfg.dataset == "digits32":
+        return load_digits32_split(seed=cfg.seed)
     return load_digits_split(seed=cfg.seed)
 
 
@@ -173,12 +191,16 @@ def _model_kwargs(cfg, data):
         return {"in_features": int(data.x_train[0].numel()), "hidden": hidden}
     if cfg.model == "digits_cnn":
         return {"width": cfg.width, "hidden": hidden[0]}
+    if cfg.model == "resnet18":
+        return {"width": cfg.width, "in_channels": int(data.x_train.shape[1])}
     return {"width": cfg.width}
 
 
 def _optimizer(cfg, params, lr):
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        # DGC applies the momentum before compressing (momentum correction), not after.
+        momentum = 0.0 if cfg.method == "dgc" else cfg.momentum
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
     kind = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     return kind(params, lr=lr, weight_decay=cfg.weight_decay)
 
@@ -224,7 +246,7 @@ def _pretrain(cfg, data, kwargs):
     return model
 
 
-def _pretrained_state(cfg, data, kwargs, collectives):
+def pretrained_state(cfg, data, kwargs, collectives):
     """Rank 0 loads the cache (if its model matches) or pretrains and writes it; returns
     ``(state_dict or None on other ranks, dense test accuracy)``."""
     state, accuracy, error = None, None, None
@@ -426,6 +448,70 @@ class _DDPSync(_FrameworkSync):
         self._record(counters, sent, compute_seconds=compute_seconds, wait_seconds=0.0, **extra)
 
 
+class BiasProbe:
+    """How far the synchronized gradient is from the exact average (``--bias-probe``, for
+    ``pacmpi bench bias``). A gradient hook registered before the sync's copies each rank's
+    local gradient (masked as GSE masks it) before any of it is sent; :meth:`measure`, after
+    ``optimizer.step()``, sums those copies with one extra float64 all-reduce (benchmarks
+    only: it doubles the traffic) and compares the method's ``p.grad`` with that exact average
+    on the kept coordinates. Per step: mean, 99th percentile and max of the per-coordinate
+    ``|error|`` and mean ``|exact|``; over the run, per coordinate, the mean error over steps
+    (the bias: an unbiased estimator's shrinks as 1/sqrt(steps), error feedback's telescopes to
+    the last residual over steps), its mean ``|.|`` and 99th percentile. Collective."""
+
+    def __init__(self, model, masks, collectives):
+        self.collectives = collectives
+        names = {}
+        for name, param in model.named_parameters():
+            names.setdefault(param, name)
+        self.params = [p for p in names if p.requires_grad]
+        self._keep = torch.cat([masks[names[p]].reshape(-1) if names[p] in masks else
+                                torch.ones(p.numel(), dtype=torch.bool) for p in self.params])
+        self._local = [None] * len(self.params)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self.params)]
+        self.steps = []
+        self._error_sum = None
+
+    def _hook(self, i):
+        def hook(param):
+            self._local[i] = param.grad.detach().reshape(-1).to(torch.float64, copy=True)
+
+        return hook
+
+    def measure(self):
+        """Compare this step's synchronized ``p.grad`` with the exact average. Collective."""
+        local = torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if g is None else g
+                           for p, g in zip(self.params, self._local)])
+        exact = np.ascontiguousarray(local[self._keep].numpy())
+        self.collectives.allreduce(exact, "sum")
+        exact /= self.collectives.size
+        got = torch.cat([p.grad.detach().reshape(-1) for p in self.params])[self._keep]
+        error = got.to(torch.float64).numpy() - exact
+        magnitude = np.abs(error)
+        self.steps.append({"mean_abs_error": float(magnitude.mean()),
+                           "p99_abs_error": float(np.percentile(magnitude, 99)),
+                           "max_abs_error": float(magnitude.max()),
+                           "mean_abs_exact": float(np.abs(exact).mean())})
+        self._error_sum = error if self._error_sum is None else self._error_sum + error
+        self._local = [None] * len(self.params)
+
+    def summary(self):
+        """Per-step records, their medians, and the bias over the run (see the class doc)."""
+        if not self.steps:
+            return {"steps": 0}
+        bias = np.abs(self._error_sum / len(self.steps))
+        medians = {f"median_{key}": float(np.median([s[key] for s in self.steps]))
+                   for key in self.steps[0]}
+        return {"steps": len(self.steps), "kept_coordinates": int(self._keep.sum()),
+                **medians,
+                "median_relative_error": medians["median_mean_abs_error"]
+                / max(medians["median_mean_abs_exact"], 1e-300),
+                "bias_mean_abs": float(bias.mean()),
+                "bias_p99_abs": float(np.percentile(bias, 99)),
+                "per_step": self.steps}
+
+
 class _StepLog:
     """Per-step timings and bytes, summed per epoch and over the run."""
 
@@ -480,7 +566,7 @@ def fine_tune(config, collectives=None):
     rank, size = collectives.rank, collectives.size
     data = _load_data(cfg)
     kwargs = _model_kwargs(cfg, data)
-    state, pretrained_accuracy = _pretrained_state(cfg, data, kwargs, collectives)
+    state, pretrained_accuracy = pretrained_state(cfg, data, kwargs, collectives)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // size))
 
     torch.manual_seed(cfg.seed)
@@ -501,12 +587,18 @@ def fine_tune(config, collectives=None):
 
     optimizer = _optimizer(cfg, model.parameters(), cfg.lr)
     forward = model
+    # Before the sync's hooks, so it sees each local gradient before any of it is sent.
+    probe = BiasProbe(model, enforcer.masks, collectives) if cfg.bias_probe else None
     if cfg.backend == "ddp":
         sync = _DDPSync(cfg, model, {name: mask.clone() for name, mask in enforcer.masks.items()})
         forward = sync.ddp
     elif cfg.backend == "horovod":
         sync = _HorovodSync(cfg, model, optimizer, enforcer.masks, enforcer)
         optimizer = sync.optimizer
+    elif cfg.method in BASELINE_METHODS:  # all-gathers through mpi4py (--backend mpi only)
+        sync = make_baseline(model, cfg.method, comm=collectives.comm, masks=masks,
+                             ratio=cfg.topk_ratio, momentum=cfg.momentum, seed=cfg.seed)
+        sync.attach(optimizer)
     else:
         # TopK all-gathers through mpi4py itself (--backend mpi only, see _config).
         sync_kwargs = ({"comm": collectives.comm} if cfg.method == "topk" else
@@ -514,7 +606,7 @@ def fine_tune(config, collectives=None):
                         "verify_every": cfg.verify_every, "stable_steps": cfg.stable_steps,
                         "seed": cfg.seed})
         sync = make_sync(model, cfg.method, masks=masks, topk_ratio=cfg.topk_ratio,
-                         **sync_kwargs)
+                         error_feedback=cfg.error_feedback, **sync_kwargs)
         sync.attach(optimizer)
     enforcer.attach(optimizer)
 
@@ -565,10 +657,13 @@ def fine_tune(config, collectives=None):
             optimizer.step()
             t2 = time.perf_counter()
             step += 1
+            if probe is not None:
+                probe.measure()
             if cfg.backend != "mpi":
                 sync.record(t1 - t0, t2 - t1)
             losses.append(float(loss.detach()))
             record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,
+                      "loss": losses[-1],
                       "optimizer_seconds": t2 - t1 - sync.last_step["wait_seconds"]}
             record.update({k: sync.last_step[k] for k in _StepLog.KEYS if k in sync.last_step})
             record["samples_per_second"] = record["samples"] / record["seconds"]
@@ -613,6 +708,7 @@ def fine_tune(config, collectives=None):
         "fallbacks": sync.stats["dense_fallbacks"],
         "stats": dict(sync.stats),
         "state_sha256": _state_digest(model),
+        "bias": probe.summary() if probe is not None else None,
     }
 
 
@@ -643,8 +739,8 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="pacmpi train", description=__doc__.split("\n")[0])
     defaults = TrainConfig()
     choices = {"method": METHODS, "optimizer": OPTIMIZERS, "backend": BACKENDS,
-               "dataset": ("digits", "cifar10"), "prune_method": ("magnitude", "grasp"),
-               "model": ("digits_cnn", "mlp", "cifar_cnn")}
+               "dataset": DATASETS, "prune_method": ("magnitude", "grasp"),
+               "model": ("digits_cnn", "mlp", "cifar_cnn", "resnet18")}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
@@ -684,6 +780,12 @@ def main(argv=None):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    if cfg.backend == "ddp":
+        # A gloo process group left to the interpreter's exit may abort the process in its
+        # destructor ("terminate called without an active exception"), failing a finished run.
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 

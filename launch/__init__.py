@@ -6,6 +6,8 @@
   ``torchrun`` command lines.
 - :mod:`.testbed`: :class:`LinkTestbed`, one shared shaped link in a network namespace, with
   a calibration that refuses rates more than 15% off nominal.
+- :mod:`.nodes`: :class:`NodeTestbed`, K simulated nodes (a namespace, an Open MPI daemon and
+  a shaped link each, star or shared), calibrated against 2(K-1)/K*S/B.
 - :mod:`.runner`: :func:`run_command`, the Python API behind the CLI.
 - :mod:`.failure`: name the failed rank from the launcher's report.
 - :mod:`.doctor`: ``pacmpi doctor``, what works here and what does not.
@@ -17,7 +19,9 @@ from .launchers import (Launcher, LauncherNotFoundError, env_variable, find_laun
                         locate_launcher, python_env_bin)
 from .mpi import (MPIDetectionError, MPIFlavor, build_horovodrun_command, build_mpirun_command,
                   build_torchrun_command, detect_mpi, parse_mpi_version, ring_allreduce_settings)
-from .runner import TIMEOUT_EXIT, RunResult, parse_torchrun_failure, run_command
+from .nodes import NODE_SUBNET, NodeTestbed, describe_daemon_failure, parse_daemon_failure
+from .runner import (TIMEOUT_EXIT, RunResult, describe_calibration, parse_torchrun_failure,
+                     run_command)
 from .testbed import (CalibrationError, LinkTestbed, TestbedError, format_rate, link_model,
                       parse_rate, probe_testbed)
 
@@ -28,6 +32,8 @@ __all__ = [
     "build_horovodrun_command", "build_torchrun_command", "ring_allreduce_settings",
     "LinkTestbed", "TestbedError", "CalibrationError", "parse_rate", "format_rate", "link_model",
     "probe_testbed",
+    "NodeTestbed", "NODE_SUBNET", "parse_daemon_failure", "describe_daemon_failure",
+    "describe_calibration",
     "RunResult", "run_command", "TIMEOUT_EXIT", "parse_torchrun_failure",
     "RankFailure", "parse_rank_failure", "describe_failure",
 ]

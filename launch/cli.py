@@ -7,6 +7,7 @@ Examples::
     pacmpi-run -n 4 --horovod -- python train_hvd.py            # horovodrun --gloo
     pacmpi-run -n 4 --torchrun -- pacmpi train --backend ddp    # torchrun --standalone
     pacmpi-run -n 4 --link 1gbit --dry-run -- python train.py  # print, run nothing
+    pacmpi-run -n 8 --nodes 4 --link 100mbit -- python train.py  # 4 nodes x 2 ranks, star
 
 Exit status: the launcher's (non-zero when a rank fails; the failed rank is named on
 stderr), 124 after ``--timeout``, 130 after Ctrl-C, 2 for usage and set-up errors (no root,
@@ -45,6 +46,12 @@ def build_parser():
     launcher.add_argument("--torchrun", action="store_true",
                           help="launch with torchrun --standalone --nproc-per-node N "
                                "--no-python (one node; gloo/NCCL via torch.distributed)")
+    parser.add_argument("--nodes", type=int, metavar="K",
+                        help="with --link: K simulated nodes, each a network namespace with its "
+                             "own Open MPI daemon and a RATE link to a switch; N/K ranks per node")
+    parser.add_argument("--topology", choices=("star", "shared"),
+                        help="with --nodes: 'star' (default) shapes every node's link both ways; "
+                             "'shared' puts all traffic through one RATE queue")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than cores (Open MPI; automatic with --link)")
     parser.add_argument("--hostfile", help="host file for multi-node runs")
@@ -84,7 +91,8 @@ def main(argv=None):
     if not command:
         parser.error("no command given (put it after --)")
     try:
-        result = run_command(command, args.np, link=args.link, horovod=args.horovod,
+        result = run_command(command, args.np, link=args.link, nodes=args.nodes,
+                             topology=args.topology, horovod=args.horovod,
                              torchrun=args.torchrun,
                              oversubscribe=args.oversubscribe, hostfile=args.hostfile,
                              env=args.env, calibrate=not args.no_calibrate,

@@ -1,5 +1,5 @@
 """Run a command on n ranks (``mpirun``, ``horovodrun`` or ``torchrun``), optionally on the
-shaped test bed.
+shaped test bed: one shared link (``link``) or K simulated nodes (``nodes``, ``mpirun`` only).
 
 :func:`run_command` is the programmatic entry point behind ``pacmpi-run``. It streams the
 launcher's output through (optionally capturing it), bounds the run by a timeout, ends the
@@ -20,9 +20,11 @@ from .failure import RankFailure, describe_failure, parse_rank_failure
 from .launchers import find_launcher, python_env_bin
 from .mpi import (OPENMPI, build_horovodrun_command, build_mpirun_command,
                   build_torchrun_command, detect_mpi)
+from .nodes import NodeTestbed, describe_daemon_failure, parse_daemon_failure
 from .testbed import INTERFACE, LinkTestbed, format_rate
 
-__all__ = ["RunResult", "run_command", "parse_torchrun_failure", "TIMEOUT_EXIT"]
+__all__ = ["RunResult", "run_command", "describe_calibration", "parse_torchrun_failure",
+           "TIMEOUT_EXIT"]
 
 TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; scripts already know it
 _TAIL_LINES = 400  # enough of the launcher's output to find its failure report
@@ -38,7 +40,8 @@ class RunResult:
     :class:`~.failure.RankFailure` (or ``None``); ``failure_message``: the line printed about
     it; ``calibration``: the test bed's calibration dict; ``timed_out``: the timeout fired;
     ``setup_commands``: the test bed's set-up commands (shown by a dry run); ``notes``: what
-    ``run_command`` decided on the user's behalf (also shown by a dry run).
+    ``run_command`` decided on the user's behalf (also shown by a dry run); ``nodes``: on the
+    node test bed, one ``{"host", "namespace", "address"}`` dict per node.
     """
 
     returncode: int
@@ -51,6 +54,7 @@ class RunResult:
     timed_out: bool = False
     setup_commands: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    nodes: list = None
 
 
 def _pump(stream, sink, keep, echo):
@@ -137,13 +141,39 @@ def parse_torchrun_failure(text):
     return RankFailure(rank=rank, exit_code=code, pid=pid, node=node)
 
 
+def _testbed(link, nodes, topology, mpirun, other_launcher, hostfile):
+    """The test bed ``run_command`` was asked for (``None``: the host's network), or ValueError."""
+    if nodes is None:
+        if topology is not None:
+            raise ValueError("--topology applies to --nodes K (one link per node)")
+        return None if link in (None, "none") else LinkTestbed(link, mpirun=mpirun)
+    if link in (None, "none"):
+        raise ValueError("--nodes needs --link RATE: the rate of every node's link")
+    if other_launcher:
+        raise ValueError("--nodes starts one Open MPI daemon per node with mpirun; "
+                         "not with --horovod or --torchrun")
+    if hostfile:
+        raise ValueError("--nodes writes its own host file; leave out --hostfile")
+    return NodeTestbed(nodes, link, topology=topology or "star", mpirun=mpirun)
+
+
+def describe_calibration(calibration, nodes=False):
+    """One line about a calibration dict; ``nodes``: it came from the node test bed."""
+    who = f"{calibration['n']} nodes x 1 rank" if nodes else f"{calibration['n']} ranks"
+    link = "per-node link" if calibration["topology"] == "star" else "link"
+    return (f"calibration: {who}, {calibration['nbytes']} B {calibration['algorithm']} "
+            f"all-reduce in {calibration['time_s']:.3f} s (model {calibration['model_time_s']:.3f} s): "
+            f"{link} {format_rate(calibration['link_bps'])} = {calibration['ratio']:.1%} of nominal "
+            f"{format_rate(calibration['nominal_bps'])}, bus bw {format_rate(calibration['busbw_bps'])}")
+
+
 def _say(message):
     sys.stderr.write(f"pacmpi-run: {message}\n")
     sys.stderr.flush()
 
 
-def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscribe=False,
-                hostfile=None,
+def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False, torchrun=False,
+                oversubscribe=False, hostfile=None,
                 env=(), calibrate=True, tolerance=0.15, timeout=None, capture=False, echo=True,
                 dry_run=False, mpirun=None, tag_output=True, extra_mca=None, grace=10.0):
     """Run ``argv`` on ``n`` ranks and return a :class:`RunResult`.
@@ -160,6 +190,12 @@ def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscr
                          test bed torchrun and its ranks run in the namespace with gloo pinned
                          to its shaped ``lo``; calibration still uses ``mpirun``.
                          ``oversubscribe`` and ``tag_output`` do not apply; no ``hostfile``.
+      ``nodes``          K: run on K simulated nodes (:class:`~.nodes.NodeTestbed`), each its
+                         own namespace and Open MPI daemon, with a ``link``-rate link to a
+                         switch; ``n`` must be a multiple of K (rank r on node r // (n/K)).
+                         Open MPI's ``mpirun`` only; no ``hostfile`` (one is generated).
+      ``topology``       with ``nodes``: ``"star"`` (default; a private link per node) or
+                         ``"shared"`` (one queue for all traffic).
       ``mpirun``         the MPI launcher, a path or a bare name; ``None``: ``$PACMPI_MPIRUN``,
                          then the running Python's ``bin``, then ``PATH``
                          (:func:`~.launchers.find_launcher`; ``horovodrun`` is found the same
@@ -169,9 +205,9 @@ def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscr
       ``env``            entries ``NAME`` (forward) or ``NAME=VALUE`` (set) for every rank.
                          Local ranks also get the running venv/conda env's ``bin`` first on
                          ``PATH``, as if it were activated.
-      ``calibrate``      on the test bed, measure the link first (with ``max(n, 2)`` ranks)
-                         and refuse to run (``CalibrationError``) when it is more than
-                         ``tolerance`` off nominal.
+      ``calibrate``      on the test bed, measure the link first (with ``max(n, 2)`` ranks;
+                         with ``nodes``, one rank per node) and refuse to run
+                         (``CalibrationError``) when it is more than ``tolerance`` off nominal.
       ``timeout``        seconds before the launcher is ended; the result then has
                          ``returncode == TIMEOUT_EXIT`` and ``timed_out``.
       ``capture``        keep the full output in the result; ``echo`` also prints it live.
@@ -189,7 +225,7 @@ def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscr
     if torchrun and hostfile:
         raise ValueError("--hostfile is for mpirun; torchrun runs on one node here (multi-node: "
                          "start torchrun on every node with --rdzv-endpoint HOST:PORT)")
-    testbed = None if link in (None, "none") else LinkTestbed(link, mpirun=mpirun)
+    testbed = _testbed(link, nodes, topology, mpirun, horovod or torchrun, hostfile)
     child_env = dict(os.environ)
     env_bin = python_env_bin()
     if env_bin is not None:
@@ -210,33 +246,36 @@ def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscr
                                        horovodrun=find_launcher("horovodrun"))
     else:
         flavor = detect_mpi(mpirun)
-        if testbed and not oversubscribe and flavor.kind == OPENMPI:
+        if isinstance(testbed, LinkTestbed) and not oversubscribe and flavor.kind == OPENMPI:
             # The namespace holds one host, so every rank lands on it whatever the core count;
             # Open MPI would refuse N > cores ("not enough slots").
             oversubscribe = True
             notes.append(f"--link runs all {n} ranks on this host: --oversubscribe added")
-        cmd = build_mpirun_command(flavor, n, argv, oversubscribe=oversubscribe,
-                                   env_forward=env, tag_output=tag_output, hostfile=hostfile,
-                                   extra_mca=extra_mca,
-                                   tcp_only_interface=INTERFACE if testbed else None)
-    if testbed:
+        options = dict(oversubscribe=oversubscribe, env_forward=env, tag_output=tag_output,
+                       hostfile=hostfile, extra_mca=extra_mca)
+        cmd = (testbed.mpirun_command(flavor, n, argv, **options) if testbed else
+               build_mpirun_command(flavor, n, argv, **options))
+        if isinstance(testbed, NodeTestbed):
+            notes += testbed.notes(n)
+    if testbed and (horovod or torchrun):
         cmd = testbed.wrap(cmd)
     setup = testbed.setup_commands() if testbed else []
+    node_table = ([{"host": host, "namespace": namespace, "address": address}
+                   for host, namespace, address in zip(testbed.hosts, testbed.node_namespaces,
+                                                       testbed.addresses)]
+                  if isinstance(testbed, NodeTestbed) else None)
     if dry_run:
-        return RunResult(0, cmd, setup_commands=setup, notes=notes)
+        return RunResult(0, cmd, setup_commands=setup, notes=notes, nodes=node_table)
 
     calibration = None
     launcher = "torchrun" if torchrun else "horovodrun" if horovod else "mpirun"
     if testbed:
         with testbed:
             if calibrate:
-                calibration = testbed.calibrate(max(n, 2), tolerance=tolerance)
+                calibration = (testbed.calibrate(tolerance=tolerance) if node_table else
+                               testbed.calibrate(max(n, 2), tolerance=tolerance))
                 if echo:
-                    _say(f"calibration: {calibration['n']} ranks, {calibration['nbytes']} B "
-                         f"{calibration['algorithm']} all-reduce in {calibration['time_s']:.3f} s: "
-                         f"link {format_rate(calibration['link_bps'])} = "
-                         f"{calibration['ratio']:.1%} of nominal {format_rate(calibration['nominal_bps'])}, "
-                         f"bus bw {format_rate(calibration['busbw_bps'])}")
+                    _say(describe_calibration(calibration, nodes=bool(node_table)))
             rc, out, err, timed_out = _execute(cmd, env=child_env, timeout=timeout,
                                                capture=capture, echo=echo, grace=grace)
     else:
@@ -244,7 +283,7 @@ def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscr
                                            echo=echo, grace=grace)
 
     result = RunResult(rc, cmd, calibration=calibration, timed_out=timed_out, setup_commands=setup,
-                       notes=notes)
+                       notes=notes, nodes=node_table)
     if capture:
         result.stdout, result.stderr = "".join(out), "".join(err)
     if timed_out:
@@ -252,7 +291,9 @@ def run_command(argv, n, *, link=None, horovod=False, torchrun=False, oversubscr
     elif rc != 0:
         text = "".join(err) + "".join(out)
         result.failure = parse_torchrun_failure(text) if torchrun else parse_rank_failure(text)
-        result.failure_message = describe_failure(result.failure, rc, launcher)
+        host = parse_daemon_failure(text) if node_table and result.failure is None else None
+        result.failure_message = (describe_daemon_failure(host, rc, launcher) if host else
+                                  describe_failure(result.failure, rc, launcher))
     if result.failure_message and echo:
         sys.stderr.write(result.failure_message + "\n")
         sys.stderr.flush()

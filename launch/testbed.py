@@ -27,6 +27,9 @@ bytes, so 2(n-1) * S bytes cross the shared link per call and::
 Measured here (Open MPI 5.0.11, 2 cores, ~0.5 s per call) link_bps is 98-99% of nominal at
 100mbit and 1gbit with 2 and 4 ranks. Without the ring pinned Open MPI picked another
 algorithm for 3 ranks that moves more bytes (88% by this model), hence the pin.
+
+:class:`NamespaceBed` holds what this bed shares with the multi-node one (:mod:`.nodes`):
+set-up steps, clean-up of every namespace on every exit path, and the calibration run.
 """
 import atexit
 import itertools
@@ -50,11 +53,14 @@ __all__ = [
     "parse_rate",
     "format_rate",
     "link_model",
+    "tbf_command",
+    "NamespaceBed",
     "LinkTestbed",
     "probe_testbed",
 ]
 
 INTERFACE = "lo"
+TOPOLOGIES = ("shared", "star")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _names = itertools.count()
 
@@ -99,10 +105,19 @@ def format_rate(bps):
     return f"{bps:.0f} bit/s"
 
 
-def link_model(n, nbytes, seconds):
-    """Rates implied by one ring all-reduce of ``nbytes`` on ``n`` ranks taking ``seconds``."""
+def link_model(n, nbytes, seconds, topology="shared"):
+    """Rates implied by one ring all-reduce of ``nbytes`` on ``n`` ranks taking ``seconds``.
+
+    Each rank sends 2(n-1)/n of the buffer. ``"shared"``: all of it, 2(n-1) buffers, crosses
+    one link; ``"star"``: each rank (node) has a private full-duplex link that carries only its
+    own 2(n-1)/n buffers, so ``link_bps`` equals the bus bandwidth.
+    """
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"bad topology {topology!r}: expected one of {', '.join(TOPOLOGIES)}")
     algbw = nbytes * 8 / seconds
-    return {"link_bps": 2 * (n - 1) * algbw, "algbw_bps": algbw, "busbw_bps": algbw * 2 * (n - 1) / n}
+    busbw = algbw * 2 * (n - 1) / n
+    return {"link_bps": 2 * (n - 1) * algbw if topology == "shared" else busbw,
+            "algbw_bps": algbw, "busbw_bps": busbw}
 
 
 def _run(cmd, what, timeout=30):
@@ -116,18 +131,33 @@ def _run(cmd, what, timeout=30):
     return done.stdout
 
 
-class LinkTestbed:
-    """Context manager for the shaped-loopback namespace.
+def _namespace_pids(namespace):
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True,
+                          timeout=30)
+    return [int(pid) for pid in done.stdout.split()] if done.returncode == 0 else []
 
-    Knobs: ``rate`` (tc rate, e.g. ``"100mbit"``), ``burst`` and ``latency`` (tbf bucket size
-    and queue bound; the defaults keep measured rates within 2% of nominal up to 1gbit),
-    ``mtu`` of the namespace's ``lo`` (9000 like a jumbo-frame LAN; smaller means more packets
-    per byte and more CPU), ``mpirun`` (the launcher calibration uses; ``None``: see
-    :func:`~.launchers.find_launcher`).
 
-    ``name`` is unique per process and instance (``pacmpi-PID-K``) so concurrent test beds and
-    leftovers from a crashed run never collide.
+def tbf_command(rate_bps, device, burst, latency, namespace):
+    """``tc`` command that shapes ``device``'s egress in ``namespace`` to ``rate_bps``."""
+    return ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+            "rate", f"{rate_bps}bit", "burst", burst, "latency", latency]
+
+
+class NamespaceBed:
+    """What every shaped test bed shares: network namespaces made by a list of set-up steps,
+    removed (with anything left running in them) on every exit path, and a calibration that
+    times a ring all-reduce and compares the link rate it implies with the nominal one.
+
+    Subclasses give ``namespaces`` (all they create, removed in reverse order),
+    ``_setup_steps()`` (``(command, what went wrong)`` pairs), ``mpirun_command`` and
+    ``topology``; ``option`` names the CLI option in error messages; ``tools`` the commands
+    that must be on ``PATH``.
     """
+
+    option = "--link"
+    tools = (("ip", "iproute2"), ("tc", "iproute2"))
+    topology = "shared"
+    namespaces = ()
 
     def __init__(self, rate, *, burst="64kb", latency="200ms", mtu=9000, mpirun=None):
         self.rate = rate
@@ -138,30 +168,29 @@ class LinkTestbed:
         self._signals = None
 
     def check_preconditions(self):
-        """Raise :class:`TestbedError` saying what is missing: root, ``ip`` or ``tc``."""
+        """Raise :class:`TestbedError` saying what is missing: root, or a tool from ``tools``."""
         if os.geteuid() != 0:
             raise TestbedError(
-                "--link needs root: it creates a network namespace and a tc qdisc "
-                "(run as root or under sudo, or leave out --link)")
-        for tool in ("ip", "tc"):
+                f"{self.option} needs root: it creates network namespaces and tc qdiscs "
+                f"(run as root or under sudo, or leave out {self.option})")
+        for tool, package in self.tools:
             if shutil.which(tool) is None:
                 raise TestbedError(
-                    f"--link needs iproute2's `{tool}` on PATH (Debian/Ubuntu: apt-get install iproute2)")
+                    f"{self.option} needs {package}'s `{tool}` on PATH (Debian/Ubuntu: "
+                    f"apt-get install {package})")
 
     def setup_commands(self):
         """The commands :meth:`__enter__` runs, in order (also shown by ``--dry-run``)."""
-        inside = ["ip", "netns", "exec", self.name]
-        return [
-            ["ip", "netns", "add", self.name],
-            inside + ["ip", "link", "set", INTERFACE, "up"],
-            inside + ["ip", "link", "set", INTERFACE, "mtu", str(self.mtu)],
-            inside + ["tc", "qdisc", "add", "dev", INTERFACE, "root", "tbf", "rate",
-                      f"{self.rate_bps}bit", "burst", self.burst, "latency", self.latency],
-        ]
+        return [cmd for cmd, _ in self._setup_steps()]
 
-    def wrap(self, cmd):
-        """Return ``cmd`` prefixed so that it runs inside the namespace."""
-        return ["ip", "netns", "exec", self.name, *cmd]
+    def _setup_steps(self):
+        raise NotImplementedError
+
+    def _prepare(self):
+        """Hook run before the set-up commands (e.g. to write files the launch needs)."""
+
+    def _release(self):
+        """Hook run after the namespaces are gone (e.g. to remove those files)."""
 
     def __enter__(self):
         self.check_preconditions()
@@ -170,13 +199,9 @@ class LinkTestbed:
         atexit.register(self.cleanup)
         self.active = True
         try:
-            add, up, mtu, qdisc = self.setup_commands()
-            _run(add, "could not create the network namespace (is this a container without "
-                      "CAP_SYS_ADMIN?)")
-            _run(up, "could not bring up lo in the namespace")
-            _run(mtu, f"could not set lo's MTU to {self.mtu}")
-            _run(qdisc, "could not attach the tbf qdisc (kernel without sch_tbf, or a bad "
-                        "burst/latency value?)")
+            self._prepare()
+            for cmd, what in self._setup_steps():
+                _run(cmd, what)
         except BaseException:
             self.cleanup()
             raise
@@ -186,7 +211,7 @@ class LinkTestbed:
         self.cleanup()
 
     def cleanup(self):
-        """End processes left in the namespace, delete it, drop the atexit and signal hooks.
+        """End processes left in the namespaces, delete them, drop the atexit and signal hooks.
 
         Idempotent, and safe to call from ``atexit``. Processes are ended first because
         ``ip netns del`` only removes the name: a namespace lives on while anything runs in it.
@@ -196,7 +221,9 @@ class LinkTestbed:
         self.active = False
         try:
             self._end_processes()
-            subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+            for namespace in reversed(self.namespaces):
+                subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+            self._release()
         finally:
             atexit.unregister(self.cleanup)
             signals, self._signals = self._signals, None
@@ -204,12 +231,10 @@ class LinkTestbed:
                 signals.__exit__(None, None, None)
 
     def _pids(self):
-        done = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True,
-                              timeout=30)
-        return [int(pid) for pid in done.stdout.split()] if done.returncode == 0 else []
+        return [pid for namespace in self.namespaces for pid in _namespace_pids(namespace)]
 
     def _end_processes(self, grace=3.0):
-        """SIGTERM everything in our namespace, then SIGKILL what is still there after ``grace``."""
+        """SIGTERM everything in our namespaces, then SIGKILL what is still there after ``grace``."""
         for signum in (signal.SIGTERM, signal.SIGKILL):
             pids = self._pids()
             for pid in pids:
@@ -225,27 +250,18 @@ class LinkTestbed:
                 return
 
     def mpirun_command(self, flavor, n, argv, **options):
-        """``build_mpirun_command`` with TCP pinned to the namespace's shaped ``lo``, wrapped."""
-        return self.wrap(build_mpirun_command(flavor, n, argv, tcp_only_interface=INTERFACE,
-                                              **options))
+        raise NotImplementedError
 
-    def calibrate(self, n=4, nbytes=None, repeats=3, *, tolerance=0.15, seconds_per_call=0.5,
-                  timeout=120):
-        """Measure the shared link with a dense all-reduce; return the result dict.
-
-        ``nbytes`` defaults to the size whose ring all-reduce takes ``seconds_per_call`` at the
-        nominal rate (clamped to 1 MiB..256 MiB), long enough that connection set-up, tbf's
-        burst and per-step latency stay around 1%. The median of ``repeats`` timed calls
-        (after one warm-up) is used. Raises :class:`CalibrationError` when ``link_bps`` is more
-        than ``tolerance`` (fraction) away from the nominal rate, and :class:`TestbedError`
-        when the benchmark itself fails or exceeds ``timeout`` seconds.
-        """
+    def _calibrate(self, n, nbytes, repeats, *, tolerance, seconds_per_call, timeout):
+        """Time a ring all-reduce on ``n`` ranks; see :meth:`LinkTestbed.calibrate`."""
         if not self.active:
             raise TestbedError("calibrate() needs an active test bed (use it inside `with`)")
         if n < 2:
             raise ValueError("calibration needs at least 2 ranks (one rank sends nothing)")
+        # Bytes the bottleneck link carries per byte all-reduced (see link_model).
+        per_byte = 2 * (n - 1) / (n if self.topology == "star" else 1)
         if nbytes is None:
-            nbytes = self.rate_bps * seconds_per_call / (8 * 2 * (n - 1))
+            nbytes = self.rate_bps * seconds_per_call / (8 * per_byte)
             nbytes = int(min(max(nbytes, 2**20), 2**28)) // 4 * 4
         flavor = detect_mpi(self.mpirun)
         mca, env = ring_allreduce_settings(flavor)
@@ -265,19 +281,76 @@ class LinkTestbed:
         measured = json.loads(lines[-1])
         seconds = statistics.median(measured["times"])
         result = {
-            "rate": self.rate, "nominal_bps": self.rate_bps, "n": n,
+            "rate": self.rate, "nominal_bps": self.rate_bps, "n": n, "topology": self.topology,
             "nbytes": measured["nbytes"], "repeats": repeats, "times_s": measured["times"],
-            "time_s": seconds, **link_model(n, measured["nbytes"], seconds),
+            "time_s": seconds, **link_model(n, measured["nbytes"], seconds, self.topology),
+            "model_time_s": per_byte * measured["nbytes"] * 8 / self.rate_bps,
             "algorithm": "ring" if mca or env else "implementation default",
             "mpi": flavor.describe(), "tolerance": tolerance,
         }
         result["ratio"] = result["link_bps"] / self.rate_bps
         if abs(result["ratio"] - 1) > tolerance:
+            which = "each node's link" if self.topology == "star" else "the shared link"
             raise CalibrationError(
-                f"calibration refused: the shared link carried {format_rate(result['link_bps'])}, "
+                f"calibration refused: {which} carried {format_rate(result['link_bps'])}, "
                 f"{result['ratio']:.0%} of the nominal {format_rate(self.rate_bps)} "
                 f"(allowed: within {tolerance:.0%}); results on this test bed would be wrong", result)
         return result
+
+
+class LinkTestbed(NamespaceBed):
+    """Context manager for the shaped-loopback namespace.
+
+    Knobs: ``rate`` (tc rate, e.g. ``"100mbit"``), ``burst`` and ``latency`` (tbf bucket size
+    and queue bound; the defaults keep measured rates within 2% of nominal up to 1gbit),
+    ``mtu`` of the namespace's ``lo`` (9000 like a jumbo-frame LAN; smaller means more packets
+    per byte and more CPU), ``mpirun`` (the launcher calibration uses; ``None``: see
+    :func:`~.launchers.find_launcher`).
+
+    ``name`` is unique per process and instance (``pacmpi-PID-K``) so concurrent test beds and
+    leftovers from a crashed run never collide.
+    """
+
+    @property
+    def namespaces(self):
+        return (self.name,)
+
+    def _setup_steps(self):
+        inside = ["ip", "netns", "exec", self.name]
+        return [
+            (["ip", "netns", "add", self.name],
+             "could not create the network namespace (is this a container without "
+             "CAP_SYS_ADMIN?)"),
+            (inside + ["ip", "link", "set", INTERFACE, "up"], "could not bring up lo in the namespace"),
+            (inside + ["ip", "link", "set", INTERFACE, "mtu", str(self.mtu)],
+             f"could not set lo's MTU to {self.mtu}"),
+            (tbf_command(self.rate_bps, INTERFACE, self.burst, self.latency, self.name),
+             "could not attach the tbf qdisc (kernel without sch_tbf, or a bad burst/latency "
+             "value?)"),
+        ]
+
+    def wrap(self, cmd):
+        """Return ``cmd`` prefixed so that it runs inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+    def mpirun_command(self, flavor, n, argv, **options):
+        """``build_mpirun_command`` with TCP pinned to the namespace's shaped ``lo``, wrapped."""
+        return self.wrap(build_mpirun_command(flavor, n, argv, tcp_only_interface=INTERFACE,
+                                              **options))
+
+    def calibrate(self, n=4, nbytes=None, repeats=3, *, tolerance=0.15, seconds_per_call=0.5,
+                  timeout=120):
+        """Measure the shared link with a dense all-reduce; return the result dict.
+
+        ``nbytes`` defaults to the size whose ring all-reduce takes ``seconds_per_call`` at the
+        nominal rate (clamped to 1 MiB..256 MiB), long enough that connection set-up, tbf's
+        burst and per-step latency stay around 1%. The median of ``repeats`` timed calls
+        (after one warm-up) is used. Raises :class:`CalibrationError` when ``link_bps`` is more
+        than ``tolerance`` (fraction) away from the nominal rate, and :class:`TestbedError`
+        when the benchmark itself fails or exceeds ``timeout`` seconds.
+        """
+        return self._calibrate(n, nbytes, repeats, tolerance=tolerance,
+                               seconds_per_call=seconds_per_call, timeout=timeout)
 
 
 def probe_testbed():

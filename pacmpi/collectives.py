@@ -53,6 +53,11 @@ class Collectives:
         """Broadcast ``buf`` in place from ``root``."""
         raise NotImplementedError
 
+    def reduce(self, buf, op="sum", root=0, name=None):
+        """Reduce ``buf`` into ``root``'s ``buf`` in place; the other ranks' ``buf`` is only
+        read."""
+        raise NotImplementedError
+
     def allgather_object(self, obj, name=None):
         """Gather one picklable object from every rank, in rank order, on every rank."""
         raise NotImplementedError
@@ -117,23 +122,6 @@ class _HalfSum:
         self.datatype, self.op, self.route, self.keep = datatype, op, route, keep
 
 
-def _hardware_half_conversions():
-    """Whether Numba's target CPU converts half<->float in hardware (x86 F16C, ARMv8)."""
-    import platform
-
-    from numba.core import config
-
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return True
-    features = config.CPU_FEATURES
-    if features is None:
-        if config.CPU_NAME is not None:
-            return False  # a named generic target: assume nothing
-        import llvmlite.binding as llvm
-        features = llvm.get_host_cpu_features().flatten()
-    return "+f16c" in features.split(",")
-
-
 def _build_numba_half_kernels(hardware=None):
     """Compile the sums as Numba ``@cfunc`` MPI_User_functions.
 
@@ -150,7 +138,8 @@ def _build_numba_half_kernels(hardware=None):
     from numba.extending import intrinsic
 
     if hardware is None:
-        hardware = _hardware_half_conversions()
+        from .kernels.cpu import hardware_half_conversions
+        hardware = hardware_half_conversions()
     u32 = np.uint32
 
     @intrinsic
@@ -548,6 +537,23 @@ class MPICollectives(Collectives):
         synchronize(array_module(buf))
         spec, mpi_op = self._spec(buf, op)
         return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, spec, mpi_op), watch)
+
+    def reduce(self, buf, op="sum", root=0, name=None):
+        if self._needs_staging(buf):
+            synchronize(array_module(buf))
+            host = buf.get()
+            self.reduce(host, op, root=root)
+            if self.rank == root:
+                buf.set(host)
+            return
+        synchronize(array_module(buf))
+        spec, mpi_op = self._spec(buf, op)
+        send, receive = (self._MPI.IN_PLACE, spec) if self.rank == root else (spec, None)
+        if self._watchdog is None:
+            self.comm.Reduce(send, receive, mpi_op, root=root)
+        else:
+            with self._watchdog.collective("Reduce"):
+                self.comm.Reduce(send, receive, mpi_op, root=root)
 
     def bcast(self, buf, root=0, name=None):
         if is_device_array(buf) and not self.cuda_aware:

@@ -42,7 +42,7 @@ _STRUCTURE_FIELDS = ("magic", "step", "buckets", "elements", "layout0", "layout1
 _MASK_FIELDS = ("mask0", "mask1", "mask2", "mask3", "survivors", "version")
 COUNTERS = ("steps", "verifications", "bytes_sent", "dense_elements_equivalent",
             "dense_bytes_equivalent", "packed_reductions", "dense_reductions", "dense_fallbacks",
-            "resyncs", "nonfinite_fallbacks", "abandoned_steps", "verify_seconds",
+            "resyncs", "resync_bytes", "nonfinite_fallbacks", "abandoned_steps", "verify_seconds",
             "pack_seconds", "comm_seconds", "unpack_seconds")
 
 
@@ -161,7 +161,8 @@ class StepEngine:
         if word_dtype == "auto":
             word_dtype = "uint64" if "uint64" in getattr(collectives, "word_dtypes", ()) \
                 else "int64"
-        self.codec = TernaryCodec(collectives.size, word_dtype) if quantize == "ternary" else None
+        self.codec = (TernaryCodec(self._code_ranks(collectives), word_dtype)
+                      if quantize == "ternary" else None)
         self.word_dtype = word_dtype
         self.step = 0
         self.generation = 0
@@ -169,6 +170,10 @@ class StepEngine:
         self._residuals = {}
         self._scales = {}
         self._clear_caches()
+
+    def _code_ranks(self, collectives):
+        """How many ranks' ternary codes one payload sum adds up: every rank's, here."""
+        return collectives.size
 
     def _clear_caches(self):
         # Reusable payload buffers and the last agreed mask snapshots with their fingerprints;
@@ -396,6 +401,7 @@ class StepEngine:
             xp = array_module(flat)
             wire = flat.astype(xp.uint8)
             self.collectives.bcast(wire, root=0, name=f"pacmpi.resync.{self.buckets[b].name}")
+            self.stats["resync_bytes"] += wire.nbytes
             received.append(wire.astype(xp.bool_))
         write_masks(received)
         self._snapshots.clear()
@@ -494,15 +500,13 @@ class StepEngine:
         count = self._payload_count(b)
         if self.quantize == "ternary" and count:
             wire, ctx = self._encode_ternary(b, xp, flat, indices, count)
-        elif indices is not None:
+        elif indices is not None or self.quantize == "fp16":
+            wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else spec.dtype
             wire = kernels.gather(xp, flat, indices, self._buffer(xp, ("packed", b), count,
-                                                                   spec.dtype))
+                                                                   wire_dtype))
             ctx = Encoded(b, "float", indices, self.generation, count=count)
         else:
             wire, ctx = flat, Encoded(b, "dense", None, self.generation, count=count)
-        if self.quantize == "fp16" and ctx.kind != "ternary":
-            wire = wire.astype(np.float16)
-            ctx.kind = "float"
         self.stats["bytes_sent"] += wire.nbytes
         self.stats["pack_seconds"] += time.perf_counter() - started
         return wire, ctx
@@ -524,18 +528,24 @@ class StepEngine:
             wire = kernels.gather(xp, flat, indices,
                                   self._buffer(xp, ("packed", b), count, flat.dtype))
             return wire, Encoded(b, "float", indices, self.generation, count=count)
+        words, new_residual = self._ternary_words(b, xp, flat, indices, residual, scale, count)
+        return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
+                              count=count, residual=new_residual)
+
+    def _ternary_words(self, b, xp, flat, indices, residual, scale, count):
+        """Quantize ``flat[indices] + residual`` (``count`` values) into bucket ``b``'s words
+        with this rank's key; returns the words and the new residual (``None``: not kept)."""
         new_residual = None
         if residual is not None:
             entry = self._residuals[b]
             if entry.spare is None or entry.spare.size != count:
-                entry.spare = xp.empty(count, dtype=compute)
+                entry.spare = xp.empty(count, dtype=residual.dtype)
             new_residual = entry.spare
         key = ternary_key(self.seed, self.step, b, self.collectives.rank)
         words = self._buffer(xp, ("words", b), self.codec.words_for(count), self.codec.word_dtype)
         kernels.ternary_encode(xp, flat, indices, residual, new_residual, float(scale), key,
                                self.codec, words)
-        return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
-                              count=count, residual=new_residual)
+        return words, new_residual
 
     def decode(self, wire, ctx, flat):
         """Write the reduced ``wire`` (the payload :meth:`encode` returned, summed over ranks)
@@ -545,7 +555,7 @@ class StepEngine:
         xp = array_module(flat)
         divisor = self.collectives.size if self.average and self.collectives.size > 1 else None
         if ctx.kind == "ternary":
-            kernels.ternary_decode(xp, wire, ctx.count, self.codec, self.collectives.size,
+            kernels.ternary_decode(xp, wire, ctx.count, self.codec, self.codec.world_size,
                                    ctx.scale, divisor, ctx.indices, flat)
             if ctx.residual is not None and ctx.generation == self.generation:
                 entry = self._residuals[ctx.bucket]
@@ -553,8 +563,7 @@ class StepEngine:
         elif ctx.kind == "dense" and divisor is None:
             pass
         else:
-            payload = wire if wire.dtype == flat.dtype else wire.astype(flat.dtype)
-            kernels.scatter(xp, payload, ctx.indices, flat, divisor)
+            kernels.scatter(xp, wire, ctx.indices, flat, divisor)
         self.stats["unpack_seconds"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ state

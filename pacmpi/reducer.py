@@ -11,6 +11,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from .collectives import default_collectives
 from .engine import MISMATCH_POLICIES, QUANTIZE_MODES, BucketSpec, StepEngine
 from .faults import ensure_abort_on_error
+from .hierarchy import HierarchicalCollectives, HierarchicalEngine
 from .verify import raise_together, run_together
 
 __all__ = ["PacTrainReducer", "QUANTIZE_MODES", "MISMATCH_POLICIES"]
@@ -57,7 +58,8 @@ class PacTrainReducer:
     on_mismatch:
         ``"raise"``: :class:`MaskMismatchError` on every rank. ``"resync"``: every rank adopts
         rank 0's masks (written into the mask arrays), reduces dense that step, and the event
-        is counted in ``stats["resyncs"]``.
+        is counted in ``stats["resyncs"]`` (the mask broadcast's bytes in
+        ``stats["resync_bytes"]``).
     stable_steps:
         Steps a changed mask must stay unchanged before its bucket is packed again.
     error_feedback:
@@ -76,14 +78,35 @@ class PacTrainReducer:
         On more than one rank, an unhandled exception ends the whole MPI job instead of
         leaving the other ranks blocked (see :func:`pacmpi.faults.ensure_abort_on_error`);
         ``False`` (or ``PACMPI_ABORT_ON_ERROR=0``) leaves ``sys.excepthook`` alone.
+    hierarchical:
+        Reduce in two levels (:mod:`pacmpi.hierarchy`): sum over each node, all-reduce
+        across one leader per node, broadcast within the node. Ternary codes are then the
+        leaders' quantized node sums, in base-(2K+1) digits for K nodes. The same on every
+        rank. A :class:`pacmpi.hierarchy.HierarchicalCollectives` given as ``collectives``
+        does the same.
+    node_comm:
+        With ``hierarchical=True``: this rank's node, a sub-communicator of ``comm`` (default:
+        ``comm.Split_type(COMM_TYPE_SHARED)`` split further by host name and network
+        namespace).
     """
 
     def __init__(self, masks, *, comm=None, collectives=None, quantize=None, average=True,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
                  stable_steps=1, error_feedback=True, seed=0, shapes=None, dtypes=None,
-                 cuda_aware="auto", word_dtype="auto", abort_on_error=None):
+                 cuda_aware="auto", word_dtype="auto", abort_on_error=None,
+                 hierarchical=False, node_comm=None):
+        if collectives is not None and hierarchical:
+            raise ValueError("pass hierarchical=True or collectives=, not both (a "
+                             "HierarchicalCollectives as collectives= reduces hierarchically)")
+        if node_comm is not None and not hierarchical:
+            raise ValueError("node_comm= needs hierarchical=True")
+        if hierarchical:
+            collectives = HierarchicalCollectives(comm=comm, node_comm=node_comm,
+                                                  cuda_aware=cuda_aware)
         self._collectives = collectives = (collectives if collectives is not None else
                                            default_collectives(comm, cuda_aware=cuda_aware))
+        self._engine_type = (HierarchicalEngine if isinstance(collectives, HierarchicalCollectives)
+                             else StepEngine)
         ensure_abort_on_error(abort_on_error, size=collectives.size)
         self.bucket_bytes = bucket_bytes
         self._options = dict(quantize=quantize, average=average, verify_every=verify_every,
@@ -92,7 +115,7 @@ class PacTrainReducer:
         self._layout = None
         error = None
         try:
-            self._engine = StepEngine(collectives, (), **self._options)
+            self._engine = self._engine_type(collectives, (), **self._options)
             self._masks = self._checked_masks(masks)
             if shapes is not None or dtypes is not None:
                 self._build_layout(shapes, dtypes)
@@ -106,7 +129,9 @@ class PacTrainReducer:
     @property
     def collectives(self):
         if self._collectives is None:  # after unpickling
-            self._collectives = self._engine.collectives = default_collectives()
+            self._collectives = self._engine.collectives = (
+                HierarchicalCollectives() if self._engine_type is HierarchicalEngine
+                else default_collectives())
         return self._collectives
 
     @property
@@ -131,7 +156,8 @@ class PacTrainReducer:
     @property
     def stats(self):
         """Counters: steps, verifications, bytes_sent, packed/dense reductions, dense
-        fallbacks, resyncs, nonfinite fallbacks, verify/pack/comm/unpack seconds."""
+        fallbacks, resyncs and their broadcast bytes, nonfinite fallbacks,
+        verify/pack/comm/unpack seconds."""
         return self._engine.stats
 
     quantize = _engine_option("quantize")
@@ -192,8 +218,8 @@ class PacTrainReducer:
                     f"{tuple(shape)}")
         layout = BucketLayout(shapes, dtypes, self.bucket_bytes)
         specs = [BucketSpec(f"bucket {b.index}", b.dtype, b.size) for b in layout.buckets]
-        self._engine = StepEngine(self._engine.collectives, specs, layout=layout.describe(),
-                                  **self._options)
+        self._engine = self._engine_type(self._engine.collectives, specs,
+                                         layout=layout.describe(), **self._options)
         self._layout = layout
 
     def _check_grads(self, grads):

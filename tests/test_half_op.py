@@ -66,8 +66,9 @@ def assert_same_sums(name, got, want):
 @pytest.fixture(scope="module")
 def kernels():
     pytest.importorskip("numba")
+    from pacmpi.kernels.cpu import hardware_half_conversions
     variants = {False: coll._build_numba_half_kernels(hardware=False)}
-    if coll._hardware_half_conversions():
+    if hardware_half_conversions():
         variants[True] = coll._build_numba_half_kernels(hardware=True)
     return variants
 

@@ -135,6 +135,25 @@ def test_gather_and_scatter_match_the_reference(xp):
                 check_both(xp, "scatter", flat, None, flat, divisor)
 
 
+@pytest.mark.parametrize("xp", ARRAY_MODULES)
+def test_fp16_wire_casts_match_the_reference(xp):
+    """The fp16 payload path: a dense or packed gather into float16 and the scatter back,
+    converted to the gradient's dtype before the division."""
+    rng = np.random.default_rng(11)
+    for dtype in (np.float32, np.float64):
+        for size in (0, 1, 7, BIG):
+            flat = _gradient(rng, size, dtype, spread=3e4)  # some overflow float16
+            flat[rng.integers(max(size, 1), size=min(size, 3))] = np.nan
+            for indices in (None, _survivors(rng, size, 0.3)):
+                count = size if indices is None else indices.size
+                with np.errstate(all="ignore"):
+                    check_both(xp, "gather", flat, indices, np.empty(count, np.float16))
+                    payload = _gradient(rng, count, np.float16, spread=100.0)
+                    for divisor in (None, 3):
+                        check_both(xp, "scatter", payload, indices, np.empty_like(flat),
+                                   divisor)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
 def test_every_16_bit_pattern_divides_and_converts_as_numpy(dtype):
     """All 65536 float16/bfloat16 values (NaN payloads, subnormals, Inf) through a divided
@@ -152,16 +171,51 @@ def test_every_16_bit_pattern_divides_and_converts_as_numpy(dtype):
 def test_float32_rounds_to_16_bits_as_numpy(target):
     """float32 -> float16/bfloat16 for random bit patterns and every tie and boundary."""
     target = np.dtype(target) if target != "bfloat16" else BF16
-    rng = np.random.default_rng(1)
-    patterns = [rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)]
-    halves = np.arange(1 << 16, dtype=np.uint32)
-    for shift in (13, 16):  # float16 and bfloat16 drop 13 and 16 significand bits
-        ties = (halves << shift) | (1 << (shift - 1))
-        patterns += [ties, ties - 1, ties + 1, halves << 16]
-    values = np.concatenate(patterns).view(np.float32)
+    # float16 and bfloat16 drop 13 and 16 significand bits
+    values = np.concatenate([_float32_rounding_cases(13), _float32_rounding_cases(16)])
     indices = np.arange(values.size, dtype=np.int64)
     with np.errstate(all="ignore"):
         check_both(np, "gather", values, indices, np.empty(values.size, target))
+
+
+def _float32_rounding_cases(shift):
+    """Random float32 bit patterns plus every tie (and its neighbours) when ``shift`` bits go."""
+    rng = np.random.default_rng(1)
+    halves = np.arange(1 << 16, dtype=np.uint32)
+    ties = (halves << shift) | (1 << (shift - 1))
+    patterns = [rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32),
+                ties, ties - 1, ties + 1, halves << 16]
+    return np.concatenate(patterns).view(np.float32)
+
+
+def test_both_float16_conversion_routes_are_numpy_exact():
+    """The route the kernels take (F16C in hardware where the CPU has it, NaNs fixed up) and
+    the bit manipulation that CPUs without it take: both equal NumPy bit for bit, signalling
+    NaN payloads included."""
+    numba = pytest.importorskip("numba")
+    from pacmpi.kernels import cpu
+
+    def elementwise(function, out_dtype):
+        @numba.njit
+        def apply(x):
+            out = np.empty(x.size, out_dtype)
+            for i in range(x.size):
+                out[i] = function(x[i])
+            return out
+        return apply
+
+    every = np.arange(1 << 16, dtype=np.uint16)  # random patterns below hold both NaN kinds
+    values = _float32_rounding_cases(13)
+    with np.errstate(all="ignore"):
+        want_wide = every.view(np.float16).astype(np.float32).view(np.uint32)
+        want_narrow = values.astype(np.float16).view(np.uint16)
+    routes = {"kernels": (cpu._half_to_float, cpu._float_to_half),
+              "soft": (cpu._half_to_float_soft, cpu._float_to_half_soft)}
+    for name, (widen, narrow) in routes.items():
+        got_wide = elementwise(widen, np.float32)(every).view(np.uint32)
+        np.testing.assert_array_equal(got_wide, want_wide, err_msg=name)
+        np.testing.assert_array_equal(elementwise(narrow, np.uint16)(values), want_narrow,
+                                      err_msg=name)
 
 
 @pytest.mark.parametrize("xp", ARRAY_MODULES)

@@ -149,7 +149,7 @@ def test_openmpi5_full_command():
     assert cmd == ["mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
                    "--output", "tag", "--hostfile", "hosts",
                    "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS=1",
-                   "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                   "--mca", "mpi_yield_when_idle", "1", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
                    "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo",
                    "--mca", "btl_tcp_sndbuf", "0",
                    "python", "train.py", "--lr", "0.1"]
@@ -365,7 +365,7 @@ def test_cli_dry_run_prints_the_command(capsys, monkeypatch):
     mpirun = str(Path(PY).parent / "mpirun")
     assert capsys.readouterr().out == (
         f"{mpirun} -n 4 --allow-run-as-root --oversubscribe --output tag "
-        "-x OMP_NUM_THREADS=1 python train.py --name 'a b'\n")
+        "-x OMP_NUM_THREADS=1 --mca mpi_yield_when_idle 1 python train.py --name 'a b'\n")
 
 
 def test_cli_dry_run_with_link_needs_no_root(capsys, monkeypatch):
@@ -383,7 +383,8 @@ def test_cli_dry_run_with_link_needs_no_root(capsys, monkeypatch):
     mpirun = str(Path(PY).parent / "mpirun")
     assert lines[4:] == [
         "# note: --link runs all 2 ranks on this host: --oversubscribe added",
-        f"ip netns exec {name} {mpirun} -n 2 --oversubscribe --output tag --mca pml ob1 "
+        f"ip netns exec {name} {mpirun} -n 2 --oversubscribe --output tag "
+        "--mca mpi_yield_when_idle 1 --mca pml ob1 "
         "--mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo python t.py"]
 
 

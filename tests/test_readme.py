@@ -184,6 +184,7 @@ EXPECTED = [  # (what identifies the command, what its output must contain)
     ("pacmpi info", "bits/value"),
     ("bench allreduce", "#wrong"),
     ("bench train", "== link none (2 ranks) =="),
+    ("model predict", "s per step"),
     (" train ", ""),
 ]
 

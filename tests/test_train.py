@@ -18,6 +18,11 @@ def test_parse_gradual():
     ({"dataset": "cifar10"}, "needs --data-dir"),
     ({"resume": True}, "needs --checkpoint"),
     ({"learning_rate": 1}, "unknown config keys"),
+    ({"method": "dgc", "optimizer": "adam"}, "corrects SGD momentum"),
+    ({"method": "dense", "error_feedback": False}, "no-error-feedback applies to"),
+    ({"method": "dgc", "bias_probe": True}, "bias-probe needs"),
+    ({"method": "pactrain", "backend": "ddp", "bias_probe": True}, "bias-probe needs"),
+    ({"method": "terngrad", "backend": "horovod"}, "run --method topk|terngrad|dgc"),
 ])
 def test_config_validation(config, message):
     with pytest.raises(ValueError, match=message):
@@ -61,3 +66,11 @@ def test_watchdog_option_is_parsed_and_validated():
     for bad in ("abc", "0", "1,2,3", "-5"):
         with pytest.raises(ValueError, match=f"got {bad!r}"):
             parse_watchdog(bad)
+
+
+@pytest.mark.mpi
+def test_baselines_error_feedback_and_bias_probe_on_two_ranks(tmp_path):
+    result = run_mpi("train_baselines_e2e.py", 2, tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for line in ("OK terngrad", "OK dgc", "OK bias probe", "OK error feedback off"):
+        assert line in result.stdout, result.stdout + result.stderr

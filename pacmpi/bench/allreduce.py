@@ -6,17 +6,27 @@ quantization) and verification time, and #wrong elements from a validation pass.
 
 Every method reduces the same integer-valued gradients under the same mask, so a validation
 pass can count wrong elements exactly; sizes are dense-equivalent float32 bytes.
+
+``--model NAME`` replaces the sizes by a published architecture's parameter tensors
+(:mod:`pacmpi.bench.models`): a global magnitude mask at each density, and fusion buckets of
+the reducer's ``bucket_bytes`` (25 MiB, like DDP) filled in gradient-ready (reverse) order; the
+dense baselines all-reduce the same buckets, and dense fp16's "codec" is its two casts.
 """
 import argparse
 import json
+import os
 import time
 
 import numpy as np
 
+from .. import kernels
 from ..arrays import to_host
+from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from ..collectives import default_collectives
+from ..hierarchy import HierarchicalCollectives
 from ..reducer import PacTrainReducer
 from ..ternary import format_wire_bits, wire_bits_table
+from .models import MODELS, magnitude_mask, model_params, random_weights
 
 __all__ = ["METHODS", "parse_size", "run", "format_table", "main"]
 
@@ -37,35 +47,59 @@ def parse_size(text):
     return value
 
 
-def _dense(collectives, wire_dtype):
-    def reduce(grads):
-        wire = grads[0].astype(wire_dtype, copy=wire_dtype != grads[0].dtype)
-        collectives.allreduce(wire, "sum")
-        grads[0][...] = wire
-        return wire.nbytes, 0.0, 0.0
+def _views(flat, shapes):
+    bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
+    return [flat[a:b].reshape(s) for a, b, s in zip(bounds[:-1], bounds[1:], shapes)]
+
+
+def _dense(collectives, wire_dtype, layout, xp):
+    # Every array has the same dtype and keeps its order, so bucket k is one contiguous run.
+    bounds = np.cumsum([0] + [bucket.size for bucket in layout.buckets])
+    wires = ([xp.empty(int(b - a), dtype=wire_dtype) for a, b in zip(bounds[:-1], bounds[1:])]
+             if wire_dtype != np.float32 else None)
+
+    def reduce(flat):
+        wire_bytes, cast_seconds = 0, 0.0
+        for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if wires is None:
+                wire = flat[a:b]
+                collectives.allreduce(wire, "sum")
+            else:
+                # The compiled casts (F16C on x86), as torch's .half() or Horovod's fp16
+                # compression would do them; timed as this baseline's codec.
+                started = time.perf_counter()
+                wire = kernels.gather(xp, flat[a:b], None, wires[k])
+                cast_seconds += time.perf_counter() - started
+                collectives.allreduce(wire, "sum")
+                started = time.perf_counter()
+                kernels.scatter(xp, wire, None, flat[a:b])
+                cast_seconds += time.perf_counter() - started
+            wire_bytes += wire.nbytes
+        return wire_bytes, cast_seconds, 0.0
     return reduce
 
 
-def _packed(collectives, mask, quantize, bucket_bytes):
-    reducer = PacTrainReducer([mask], collectives=collectives, quantize=quantize, average=False,
-                              stable_steps=0, error_feedback=False, bucket_bytes=bucket_bytes)
+def _packed(collectives, mask, quantize, layout):
+    shapes = [m.shape for bucket in layout.buckets for m in bucket.members]
+    reducer = PacTrainReducer(_views(mask, shapes), collectives=collectives, quantize=quantize,
+                              average=False, stable_steps=0, error_feedback=False,
+                              bucket_bytes=layout.bucket_bytes)
     keys = ("bytes_sent", "pack_seconds", "unpack_seconds", "verify_seconds")
 
-    def reduce(grads):
+    def reduce(flat):
         before = [reducer.stats[k] for k in keys]
-        reducer.reduce(grads)
+        reducer.reduce(_views(flat, shapes))
         sent, pack, unpack, verify = (reducer.stats[k] - b for k, b in zip(keys, before))
         return sent, pack + unpack, verify
     return reduce
 
 
-def _make_reduce(method, collectives, mask, bucket_bytes):
+def _make_reduce(method, collectives, mask, layout, xp):
     if method == "dense-fp32":
-        return _dense(collectives, np.float32)
+        return _dense(collectives, np.float32, layout, xp)
     if method == "dense-fp16":
-        return _dense(collectives, np.float16)
-    return _packed(collectives, mask, "ternary" if method.endswith("ternary") else None,
-                   bucket_bytes)
+        return _dense(collectives, np.float16, layout, xp)
+    return _packed(collectives, mask, "ternary" if method.endswith("ternary") else None, layout)
 
 
 def _count_wrong(method, result, reference, mask, scale, world):
@@ -78,17 +112,27 @@ def _count_wrong(method, result, reference, mask, scale, world):
     return int(np.count_nonzero(off_lattice | out_of_range | pruned_nonzero))
 
 
-def _bench_one(collectives, method, count, density, iters, warmup, bucket_bytes, seed, xp):
+def _quantized(collectives, grads):
+    """What one ternary quantizer sees: this rank's gradients, or its node's sum under a
+    hierarchical transport (the leader quantizes the node sum)."""
+    if not isinstance(collectives, HierarchicalCollectives):
+        return grads
+    total = grads.copy()
+    collectives.node.allreduce(total, "sum")
+    return total
+
+
+def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, xp):
     world, rank = collectives.size, collectives.rank
-    mask = np.random.default_rng(seed).random(count) < density
+    count = mask.size
     grads = (np.random.default_rng(seed + 1 + rank).integers(-8, 9, size=count)
              .astype(np.float32) * mask)
-    reduce = _make_reduce(method, collectives, xp.asarray(mask), bucket_bytes)
+    reduce = _make_reduce(method, collectives, xp.asarray(mask), layout, xp)
     device_grads = xp.asarray(grads)
-    work = [xp.empty_like(device_grads)]
+    work = xp.empty_like(device_grads)
     times, wire, overhead, verify = [], 0, 0.0, 0.0
     for i in range(warmup + iters):
-        work[0][...] = device_grads
+        work[...] = device_grads
         sync = np.zeros(1)
         collectives.allreduce(sync, "max")  # a barrier over the same transport
         started = time.perf_counter()
@@ -103,9 +147,9 @@ def _bench_one(collectives, method, count, density, iters, warmup, bucket_bytes,
     collectives.allreduce(slowest, "max")
     reference = grads.astype(np.float64)
     collectives.allreduce(reference, "sum")
-    scale = np.array([np.abs(grads).max() if count else 0.0])
+    scale = np.array([np.abs(_quantized(collectives, grads)).max() if count else 0.0])
     collectives.allreduce(scale, "max")
-    wrong = np.array([_count_wrong(method, to_host(work[0]), reference, mask, scale[0], world)],
+    wrong = np.array([_count_wrong(method, to_host(work), reference, mask, scale[0], world)],
                      dtype=np.int64)
     collectives.allreduce(wrong, "sum")
     dense_bytes = count * 4
@@ -119,15 +163,35 @@ def _bench_one(collectives, method, count, density, iters, warmup, bucket_bytes,
         "wire_bytes_per_rank": wire // max(iters, 1),
         "pack_unpack_us": overhead / max(iters, 1) * 1e6,
         "verify_us": verify / max(iters, 1) * 1e6, "wrong": int(wrong[0]),
+        "buckets": len(layout.buckets), "kept": int(np.count_nonzero(mask)),
     }
 
 
+def _cases(sizes, densities, model, bucket_bytes, seed):
+    """(label, layout, mask for each density) per size, or the model's tensors once."""
+    if model is not None:
+        params = model_params(model)[::-1]  # gradients become ready last layer first
+        weights = random_weights(params, seed)
+        shapes = [p.shape for p in params]
+        layout = BucketLayout(shapes, [np.float32] * len(shapes),
+                              bucket_bytes or DEFAULT_BUCKET_BYTES)
+        masks = [magnitude_mask(params, weights, d) for d in densities]
+        del weights  # VGG19's are 575 MB per rank
+        yield model, layout, masks
+        return
+    for size in sizes:
+        count = size // 4
+        layout = BucketLayout([(count,)], [np.float32], bucket_bytes or max(size, 1 << 20))
+        yield None, layout, [np.random.default_rng(seed).random(count) < d for d in densities]
+
+
 def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, seed=0,
-        collectives=None, xp=np):
+        collectives=None, xp=np, model=None):
     """Benchmark every (size, density, method); returns the rows (identical on all ranks).
 
     ``xp`` is ``numpy`` (host buffers) or ``cupy`` (device buffers, CUDA-aware MPI or host
-    staging as the transport decides).
+    staging as the transport decides). ``model`` (a name from :data:`MODELS`) replaces the
+    sizes by that architecture's tensors and masks by global magnitude ones.
     """
     for method in methods:
         if method not in METHODS:
@@ -135,19 +199,22 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
     for density in densities:
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
+    if model is not None and model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     collectives = collectives or default_collectives()
     rows = []
-    for size in sizes:
-        count = size // 4
+    for label, layout, masks in _cases(sizes, densities, model, bucket_bytes, seed):
+        size = masks[0].size * 4
         n_iters = iters or int(max(3, min(20, (256 << 20) // size)))
-        for density in densities:
+        for density, mask in zip(densities, masks):
             for method in methods:
                 if method.startswith("dense") and density != densities[0]:
                     continue  # the dense baselines do not depend on the density
-                row = _bench_one(collectives, method, count, density, n_iters, warmup,
-                                 bucket_bytes or max(size, 1 << 20), seed, xp)
-                rows.append(dict(row, device="cuda" if xp is not np else "cpu",
-                                 cuda_aware=getattr(collectives, "cuda_aware", None)))
+                row = _bench_one(collectives, method, layout, mask, density, n_iters, warmup,
+                                 seed, xp)
+                rows.append(dict(row, device="cuda" if xp is not np else "cpu", model=label,
+                                 cuda_aware=getattr(collectives, "cuda_aware", None),
+                                 nodes=getattr(collectives, "nodes", None)))
     return rows
 
 
@@ -184,8 +251,35 @@ def build_parser(parser=None):
     parser.add_argument("--cuda-aware", choices=("auto", "yes", "no"), default="auto",
                         help="hand device buffers to MPI (yes), stage them through host memory "
                              "(no), or ask the MPI library (auto, the default)")
+    parser.add_argument("--model", choices=MODELS, default=None,
+                        help="benchmark this architecture's parameter tensors instead of --sizes "
+                             "(global magnitude masks, 25 MiB fusion buckets by default)")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="the link rate this job runs on (e.g. 100mbit), only recorded in "
+                             "the JSON for `pacmpi model calibrate`; pacmpi-run does the shaping")
+    parser.add_argument("--topology", choices=("shared", "star"), default="shared",
+                        help="the test bed's topology, recorded with --link (default %(default)s)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="simulated nodes, recorded with --link (default: one per rank)")
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="reduce in two levels: within each node, then across one leader "
+                             "per node (ternary codes then count nodes, not ranks)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                        help="with --hierarchical: simulate nodes of N consecutive ranks "
+                             "(default: the real nodes, by host and network namespace)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     return parser
+
+
+def _simulated_node(ranks_per_node):
+    """COMM_WORLD split into nodes of ``ranks_per_node`` consecutive ranks (None: None)."""
+    if ranks_per_node is None:
+        return None
+    if ranks_per_node < 1:
+        raise ValueError(f"--ranks-per-node must be positive, got {ranks_per_node}")
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    return MPI.COMM_WORLD.Split(rank // ranks_per_node, key=rank)
 
 
 def local_rank():
@@ -198,8 +292,25 @@ def local_rank():
         node.Free()
 
 
+_RING_MCA = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+             "OMPI_MCA_coll_tuned_allreduce_algorithm": "4"}
+
+
+def _algorithm():
+    """Open MPI's all-reduce algorithm this job ran: "ring" when pinned, else as set."""
+    if all(os.environ.get(k) == v for k, v in _RING_MCA.items()):
+        return "ring"
+    return os.environ.get("OMPI_MCA_coll_tuned_allreduce_algorithm", "default")
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.link:
+        # The cost model charges a ring's 2(n-1)/n per link; Open MPI's default algorithm took
+        # 1.73x as long on the star bed, so a --link run pins the ring (as pacmpi-run's
+        # calibration does) unless the job set an algorithm. Read at MPI_Init, not yet called.
+        for name, value in _RING_MCA.items():
+            os.environ.setdefault(name, value)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     densities = [float(d) for d in args.densities.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
@@ -207,18 +318,23 @@ def main(argv=None):
     if args.device == "cuda":
         import cupy as xp
         xp.cuda.Device(local_rank() % xp.cuda.runtime.getDeviceCount()).use()
-    collectives = default_collectives(
-        cuda_aware={"auto": "auto", "yes": True, "no": False}[args.cuda_aware])
+    cuda_aware = {"auto": "auto", "yes": True, "no": False}[args.cuda_aware]
+    collectives = (HierarchicalCollectives(cuda_aware=cuda_aware,
+                                           node_comm=_simulated_node(args.ranks_per_node))
+                   if args.hierarchical else default_collectives(cuda_aware=cuda_aware))
     rows = run(sizes, densities, methods, iters=args.iters, warmup=args.warmup,
-               bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp)
+               bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp, model=args.model)
     wrong = sum(r["wrong"] for r in rows)
     if collectives.rank == 0:
         print(format_table(rows))
         print("\nternary bits/value on the wire (digits per word), by word type:")
         print(format_wire_bits())
         if args.json:
+            link = {"link": args.link, "topology": args.topology,
+                    "nodes": args.nodes or collectives.size,
+                    "allreduce_algorithm": _algorithm()} if args.link else {}
             with open(args.json, "w") as fh:
-                json.dump({"ranks": collectives.size, "rows": rows,
+                json.dump({"ranks": collectives.size, "model": args.model, **link, "rows": rows,
                            "ternary_bits": wire_bits_table(word_dtype=("int64", "uint64"))},
                           fh, indent=2)
         if wrong:

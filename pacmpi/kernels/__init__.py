@@ -162,7 +162,8 @@ def _check_count(name, count, indices, flat):
 
 # ---------------------------------------------------------------- public kernels
 def gather(xp, flat, indices, out):
-    """``out[j] = flat[indices[j]]`` (cast to out's dtype); returns ``out``."""
+    """``out[j] = flat[indices[j]]`` (``flat[j]`` when indices is None), cast to out's dtype;
+    returns ``out``."""
     indices = _int64(indices)
     _check_count("gather", out.size, indices, flat)
     fused = _fused(xp, flat, indices, out)
@@ -172,8 +173,9 @@ def gather(xp, flat, indices, out):
 
 
 def scatter(xp, payload, indices, flat, divisor=None):
-    """``flat[:] = 0; flat[indices[j]] = payload[j] / divisor`` in one pass, the division in
-    payload's dtype as ``payload / payload.dtype.type(divisor)`` (none when divisor is None).
+    """``flat[:] = 0; flat[indices[j]] = payload[j] / divisor`` in one pass, payload cast to
+    flat's dtype first and the division in flat's dtype as ``flat.dtype.type(divisor)`` (none
+    when divisor is None).
     ``indices=None`` is dense: ``flat[:] = payload [/ divisor]``, and payload may be flat
     itself. Returns ``flat``."""
     indices = _int64(indices)

@@ -245,6 +245,9 @@ def converts(source, target):
 
 
 def gather(flat, indices, out):
+    if indices is None:
+        out[...] = flat[:out.size]
+        return out
     return _cupy().take(flat, indices, out=out)
 
 

@@ -62,8 +62,10 @@ def _values(xp, flat, indices, residual):
 
 
 def gather(xp, flat, indices, out):
-    """``out[j] = flat[indices[j]]``."""
-    if out.dtype == flat.dtype:
+    """``out[j] = flat[indices[j]]`` (``flat[j]`` when indices is None)."""
+    if indices is None:
+        out[...] = flat[:out.size]
+    elif out.dtype == flat.dtype:
         xp.take(flat, indices, out=out)
     else:
         out[...] = flat[indices]
@@ -71,8 +73,11 @@ def gather(xp, flat, indices, out):
 
 
 def scatter(xp, payload, indices, flat, divisor=None):
-    """``flat[:] = 0; flat[indices] = payload / divisor`` (division in payload's dtype)."""
-    values = payload if divisor is None else payload / payload.dtype.type(divisor)
+    """``flat[:] = 0; flat[indices] = payload / divisor`` (payload cast to flat's dtype first,
+    the division in flat's dtype)."""
+    values = payload.astype(flat.dtype, copy=False)
+    if divisor is not None:
+        values = values / flat.dtype.type(divisor)
     return _place(xp, values, indices, flat)
 
 

@@ -1,0 +1,245 @@
+"""The compression baselines a reviewer asks PacTrain to be compared with, run as their authors
+ran them, for raw PyTorch loops over mpi4py (the same hooks as
+:class:`pacmpi.adapters.torch_sync.TopKSync`):
+
+- :class:`TernGradSync` (Wen et al., NeurIPS 2017): every rank clips each layer's gradient at
+  ``clip`` standard deviations, stochastically ternarizes it with its *own* per-layer scale
+  ``s = max |g|`` (``P(q = sign g) = |g| / s``, so ``E[s q] = g``), and the 2-bit codes plus the
+  scales are **all-gathered**; every rank decodes every rank's codes and averages. Each rank
+  sends 2 bits per value (4 codes per byte) and one float per layer, whatever the world size;
+  no error feedback (the estimator is unbiased).
+- :class:`DGCSync` (Lin et al., ICLR 2018, Deep Gradient Compression): momentum correction
+  (each rank keeps its velocity ``u = m u + g`` and accumulates ``v += u``), per-layer TopK of
+  ``|v|`` (``ratio`` of each layer, at least one value), the sent coordinates cleared from
+  ``v`` (local gradient accumulation: ``v`` is the residual) and, with ``momentum_masking``,
+  from ``u``; (index, value) pairs are all-gathered and summed. The momentum lives here, so
+  the optimizer must be plain SGD without momentum. Not implemented: DGC's warm-up of the
+  sparsity over the first epochs and its sampled threshold (the exact TopK is used).
+
+Both need every parameter in one dtype and move their (small) payloads through host memory.
+"""
+import math
+import time
+
+import numpy as np
+import torch
+
+from pacmpi import MPICollectives
+from pacmpi.adapters.torch_sync import _HookedSync
+from pacmpi.faults import ensure_abort_on_error
+
+__all__ = ["METHODS", "DGCSync", "TernGradSync", "make_baseline", "pack_codes", "sparsify",
+           "unpack_codes"]
+
+METHODS = ("terngrad", "dgc")
+
+
+def pack_codes(q):
+    """Ternary values ``q`` (int8 in {-1, 0, 1}, 1-d) as 2-bit codes ``q + 1``, four per byte
+    (the first value in the lowest bits); the length is padded to a multiple of 4 with zeros."""
+    codes = np.zeros(4 * math.ceil(q.size / 4), dtype=np.uint8)
+    codes[:q.size] = q + 1
+    codes = codes.reshape(-1, 4)
+    return codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+
+
+def unpack_codes(packed, size):
+    """Inverse of :func:`pack_codes` along the last axis: int8 values in {-1, 0, 1}, ``size``
+    per row."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)
+    codes = (packed[..., None] >> shifts) & 3
+    return codes.reshape(*packed.shape[:-1], -1)[..., :size].astype(np.int8) - 1
+
+
+def sparsify(accumulated, sizes, ks):
+    """DGC's selection on one rank: per segment ``j`` of the flat ``accumulated`` (segments of
+    ``sizes[j]`` values), the ``ks[j]`` largest magnitudes. Returns ``(indices, values)`` (int64
+    flat indices, the selected values) and clears them in ``accumulated`` in place, which then
+    holds the residual: ``residual + scatter(values) == accumulated`` exactly."""
+    chosen, offset = [], 0
+    for size, k in zip(sizes, ks):
+        segment = accumulated[offset:offset + size]
+        chosen.append(torch.topk(segment.abs(), k, sorted=False).indices + offset)
+        offset += size
+    indices = torch.cat(chosen)
+    values = accumulated[indices].clone()
+    accumulated[indices] = 0
+    return indices, values
+
+
+class _GatherSync(_HookedSync):
+    """What the all-gather baselines share: one flat gradient of the model per step, an
+    ``Allgather`` of a fixed-size payload per rank, the decoded average written back into
+    ``p.grad``, and the counters :class:`~pacmpi.adapters.torch_sync.TopKSync` keeps."""
+
+    def __init__(self, model, method, *, comm, masks, average, abort_on_error):
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD.Dup()
+        super().__init__(model, masks, MPICollectives(comm=comm), method)
+        ensure_abort_on_error(abort_on_error, size=self.collectives.size)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise TypeError(f"{type(self).__name__} needs parameters of one dtype, got "
+                            f"{sorted(map(str, dtypes))}")
+        self.comm, self.average = comm, bool(average)
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        self.stats = {"steps": 0, "bytes_sent": 0, "dense_elements_equivalent": 0,
+                      "packed_reductions": 0, "dense_reductions": 0, "dense_fallbacks": 0,
+                      "resyncs": 0, "verify_seconds": 0.0, "pack_seconds": 0.0,
+                      "comm_seconds": 0.0, "unpack_seconds": 0.0}
+
+    def _gather(self, *arrays):
+        """Each of ``arrays`` (1-d NumPy, equal size on every rank) from every rank, as
+        ``(size, n)`` arrays; counts the bytes this rank sent."""
+        started = time.perf_counter()
+        out = []
+        for array in arrays:
+            recv = np.empty((self.collectives.size, array.size), dtype=array.dtype)
+            self.comm.Allgather(array, recv)
+            out.append(recv)
+            self.stats["bytes_sent"] += array.nbytes
+        self.stats["comm_seconds"] += time.perf_counter() - started
+        return out
+
+    def _write_back(self, total):
+        """``total`` (the sum over ranks, flat) averaged into every ``p.grad``."""
+        if self.average and self.collectives.size > 1:
+            total /= self.collectives.size
+        offset = 0
+        for p, size in zip(self.params, self.sizes):
+            p.grad.copy_(total[offset:offset + size].view_as(p.grad))
+            offset += size
+        self.stats["dense_elements_equivalent"] += self.numel
+        self.stats["packed_reductions"] += 1
+        self.stats["steps"] += 1
+
+
+class TernGradSync(_GatherSync):
+    """TernGrad (see the module doc). ``seed``: each rank draws from its own generator keyed by
+    (``seed``, rank); ``clip``: clip each layer at ``clip`` standard deviations of its gradient
+    before ternarizing (2.5 in the paper; ``None``: no clipping). ``model``, ``comm``, ``masks``,
+    ``average``, ``abort_on_error`` as for :class:`~pacmpi.adapters.torch_sync.TopKSync`."""
+
+    def __init__(self, model, *, comm=None, masks=None, seed=0, clip=2.5, average=True,
+                 abort_on_error=None):
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be positive or None, got {clip!r}")
+        super().__init__(model, "terngrad", comm=comm, masks=masks, average=average,
+                         abort_on_error=abort_on_error)
+        self.clip, self.seed = clip, int(seed)
+        self._generator = torch.Generator().manual_seed(self.seed * 1_000_003
+                                                        + self.collectives.rank)
+        self._segments = torch.tensor(self.sizes)
+
+    def _reduce(self, arrays):
+        started = time.perf_counter()
+        with torch.no_grad():
+            grads = [p.grad.detach().reshape(-1).cpu() for p in self.params]
+            if self.clip is not None:
+                grads = [self._clipped(g) for g in grads]
+            scales = torch.stack([g.abs().max() for g in grads])
+            flat = torch.cat(grads)
+            per_value = torch.repeat_interleave(scales, self._segments)
+            probability = flat.abs() / torch.where(per_value > 0, per_value, 1)
+            keep = torch.rand(self.numel, generator=self._generator) < probability
+            q = (torch.sign(flat) * keep).to(torch.int8).numpy()
+            packed = pack_codes(q)
+        self.stats["pack_seconds"] += time.perf_counter() - started
+        all_packed, all_scales = self._gather(packed, scales.numpy())
+        started = time.perf_counter()
+        with torch.no_grad():
+            codes = torch.from_numpy(unpack_codes(all_packed, self.numel))
+            per_rank = torch.repeat_interleave(torch.from_numpy(all_scales), self._segments, dim=1)
+            # int8 codes times the scale: exact, so the sum only rounds where the scales do.
+            total = (codes.to(per_rank.dtype) * per_rank).sum(0)
+            self._write_back(total.to(self.params[0].device))
+        self.stats["unpack_seconds"] += time.perf_counter() - started
+
+    def _clipped(self, g):
+        bound = self.clip * g.std(unbiased=False)
+        # A constant layer has no spread: clipping it at 0 would erase it.
+        return g.clamp(-bound, bound) if bound > 0 else g
+
+    def _engine_state(self):
+        return {"generator": self._generator.get_state(), "stats": dict(self.stats)}
+
+    def _load_engine(self, state, same_world):
+        if same_world:  # another world size re-keys every rank's stream from the seed
+            self._generator.set_state(state["generator"])
+        self.stats = dict(state["stats"])
+
+
+class DGCSync(_GatherSync):
+    """Deep Gradient Compression (see the module doc). ``ratio``: kept fraction of each layer
+    (0.001 = 0.1%, at least one value per layer); ``momentum``: the momentum DGC corrects for
+    (the optimizer then runs without momentum); ``momentum_masking``: clear the sent
+    coordinates from the velocity too, as the paper does. ``model``, ``comm``, ``masks``,
+    ``average``, ``abort_on_error`` as for :class:`~pacmpi.adapters.torch_sync.TopKSync`.
+
+    State (per rank): ``velocity`` (``u``) and ``residual`` (``v``, the accumulated values not
+    sent yet), flat over the model's parameters."""
+
+    def __init__(self, model, *, comm=None, masks=None, ratio=0.001, momentum=0.9,
+                 momentum_masking=True, average=True, abort_on_error=None):
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        super().__init__(model, "dgc", comm=comm, masks=masks, average=average,
+                         abort_on_error=abort_on_error)
+        self.ratio, self.momentum = float(ratio), float(momentum)
+        self.momentum_masking = bool(momentum_masking)
+        self.ks = [max(1, math.ceil(self.ratio * size)) for size in self.sizes]
+        self.velocity = self.residual = None
+
+    def _reduce(self, arrays):
+        started = time.perf_counter()
+        with torch.no_grad():
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            if self.velocity is None:
+                self.velocity, self.residual = torch.zeros_like(flat), torch.zeros_like(flat)
+            self.velocity.mul_(self.momentum).add_(flat)
+            self.residual.add_(self.velocity)
+            indices, values = sparsify(self.residual, self.sizes, self.ks)
+            if self.momentum_masking:
+                self.velocity[indices] = 0
+            send_i, send_v = indices.cpu().numpy(), values.cpu().numpy()
+        self.stats["pack_seconds"] += time.perf_counter() - started
+        recv_i, recv_v = self._gather(send_i, send_v)
+        started = time.perf_counter()
+        with torch.no_grad():
+            total = torch.zeros_like(flat)
+            total.index_add_(0, torch.from_numpy(recv_i.reshape(-1)).to(flat.device),
+                             torch.from_numpy(recv_v.reshape(-1)).to(flat.device))
+            self._write_back(total)
+        self.stats["unpack_seconds"] += time.perf_counter() - started
+
+    def _engine_state(self):
+        residuals = {} if self.residual is None else {
+            "velocity": self.velocity.detach().cpu().clone(),
+            "residual": self.residual.detach().cpu().clone()}
+        return {"residuals": residuals, "stats": dict(self.stats), "ks": self.ks}
+
+    def _load_engine(self, state, same_world):
+        if state["ks"] != self.ks:
+            raise ValueError(f"checkpoint keeps {state['ks']} values per layer, this sync "
+                             f"keeps {self.ks}")
+        saved = state["residuals"] if same_world else {}
+        device = self.params[0].device
+        self.velocity = saved["velocity"].to(device).clone() if saved else None
+        self.residual = saved["residual"].to(device).clone() if saved else None
+        self.stats = dict(state["stats"])
+
+
+def make_baseline(model, method, *, comm=None, masks=None, ratio=0.001, momentum=0.9, seed=0,
+                  **kwargs):
+    """A :class:`TernGradSync` (``"terngrad"``: ``seed``) or :class:`DGCSync` (``"dgc"``:
+    ``ratio``, ``momentum``); ``kwargs`` go to the class."""
+    if method == "terngrad":
+        return TernGradSync(model, comm=comm, masks=masks, seed=seed, **kwargs)
+    if method == "dgc":
+        return DGCSync(model, comm=comm, masks=masks, ratio=ratio, momentum=momentum, **kwargs)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")

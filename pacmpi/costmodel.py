@@ -1,0 +1,438 @@
+"""Cost model of one training step's gradient all-reduce: fit it to benchmarks, predict clusters.
+
+A step all-reduces a model's gradients in fusion buckets; on a ring of ``P`` participants over
+links of ``B`` bytes/s it takes::
+
+    t = a * steps + wire_bytes * ring_factor / (eta * B) + codec + verify (+ compute)
+
+- ``steps = 2 (P - 1)`` per bucket, plus one verification all-reduce on PacTrain steps;
+- ``ring_factor``: ``star`` (every node has its own uplink; ranks mapped by node, so each node
+  link carries one ring edge): ``2 (N - 1) / N`` for N ranks, ``2 (K - 1) / K`` across K node
+  leaders when hierarchical (a single node: at memory speed); ``shared`` (every rank's traffic
+  crosses one link, the one-host test bed): ``2 (N - 1)``, ``2 (K - 1)`` hierarchical;
+- hierarchical: the ranks of a node first sum dense at memory speed (``intra_Bps``, an
+  all-reduce of the dense bytes among the node's ranks) and ternary digits use base ``2K + 1``
+  for K nodes instead of ``2N + 1`` (:class:`pacmpi.ternary.TernaryCodec` gives the bits);
+- wire bytes: dense fp32 ``4 n``, fp16 ``2 n``, PacTrain ``4 kept``, ternary ``8`` per word of
+  ``kept`` codes (uint64 words, as MPI sums them);
+- codec: ``4 n / u + 4 kept / v`` seconds per method (gathers and rounding work on the kept
+  values, the scatter clears every value; fp16's two casts touch every value), verify
+  ``4 n / w`` (one comparison pass over the mask; ternary steps also compute scales there),
+  each multiplied by ``ranks on a host / its cores`` when ranks share cores (the test bed).
+
+:func:`calibrate` fits ``a``, ``eta`` and the codec throughputs to ``pacmpi bench allreduce
+--link RATE --json`` files; :func:`predict` evaluates the model. ``compute_s`` adds a step's
+compute, not overlapped with communication (a conservative choice for the speedup).
+"""
+import argparse
+import itertools
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout
+from .ternary import TernaryCodec
+
+__all__ = ["METHODS", "TOPOLOGIES", "DEFAULT_FIT", "parse_rate", "workload", "predict",
+           "latency", "link_efficiency", "step_seconds", "calibrate", "validate", "calibrate_main", "predict_main"]
+
+METHODS = ("dense-fp32", "dense-fp16", "pactrain", "pactrain-ternary")
+TOPOLOGIES = ("star", "shared")
+_PACKED = ("pactrain", "pactrain-ternary")
+
+DEFAULT_FIT = {
+    "latency_s": {t: 0.0 for t in TOPOLOGIES}, "link_efficiency": {t: 1.0 for t in TOPOLOGIES},
+    "codec_s_per_byte": {m: [0.0, 0.0] for m in METHODS},
+    "verify_s_per_byte": {m: 0.0 for m in METHODS},
+    "intra_Bps": 20e9, "host_cores": None,
+}
+"""An uncalibrated model: no latency, nominal rates, free codec; ``intra_Bps`` 20 GB/s (a PCIe
+4.0 x16 link between a node's GPUs, an assumption). ``latency_s`` (a) and ``link_efficiency``
+(eta) are per topology, since the two test beds differ: the star bed moves MTU-1500 packets
+through veths, a bridge and two tbf queues per link, each link carrying one TCP flow per
+direction; the shared bed moves 64 KiB packets through one queue on ``lo`` that every flow
+shares. A single number applies to both."""
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
+def parse_rate(text):
+    """A tc-style rate (``100mbit``, ``1gbit``, ``2.5gbit``, or bits/s) -> bytes per second."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    unit = match and (match.group(2) or "bit")
+    if not match or unit not in _RATE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"bad link rate {text!r}: use e.g. 100mbit, 1gbit, 10gbit")
+    return float(match.group(1)) * _RATE_UNITS[unit] / 8
+
+
+def _check_int(name, value, low=1):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def workload(*, model=None, nbytes=None, density=1.0, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """``(values, kept, buckets)`` of one step: a model's tensors (its magnitude mask keeps
+    ``round(density * prunable)`` values plus every bias and norm value, as the benchmark's) or
+    ``nbytes`` of float32 gradients, every value prunable, in ``ceil(nbytes / bucket_bytes)``
+    buckets."""
+    if not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    if (model is None) == (nbytes is None):
+        raise ValueError("give exactly one of model (a name) and nbytes")
+    if model is not None:
+        from .bench.models import model_params
+        params = model_params(model)[::-1]
+        shapes = [p.shape for p in params]
+        prunable = sum(p.size for p in params if p.prunable)
+        values = sum(p.size for p in params)
+        kept = int(round(density * prunable)) + values - prunable
+    else:
+        values = _check_int("nbytes", nbytes, 4) // 4
+        kept = int(round(density * values))
+        # Many tensors, as a model has, rather than one array that would get a bucket alone.
+        piece = bucket_bytes // 4
+        shapes = [(piece,)] * (values // piece) + ([(values % piece,)] if values % piece else [])
+    buckets = len(BucketLayout(shapes, [np.float32] * len(shapes), bucket_bytes).buckets)
+    return values, kept, buckets
+
+
+def _wire_bytes(method, values, kept, buckets, participants):
+    if method == "dense-fp32":
+        return 4 * values
+    if method == "dense-fp16":
+        return 2 * values
+    if method == "pactrain":
+        return 4 * kept
+    codec = TernaryCodec(max(participants, 1), "uint64")
+    # Left out: the buckets' partial last words (at most one each) and their scales, which
+    # ride in the verification all-reduce on verified steps.
+    return 8 * codec.words_for(kept)
+
+
+def _per_topology(fit, key, topology):
+    value = fit[key]
+    if not isinstance(value, dict):
+        return float(value)
+    if topology not in value:
+        raise ValueError(f"the fit has no {key} for topology {topology!r} (it has "
+                         f"{', '.join(sorted(value)) or 'none'}): calibrate with a {topology} run")
+    return float(value[topology])
+
+
+def link_efficiency(fit, topology):
+    """The fitted share of the nominal rate that ``topology``'s links carry (eta)."""
+    return _per_topology(fit, "link_efficiency", topology)
+
+
+def latency(fit, topology):
+    """The fitted seconds per ring step on ``topology`` (a)."""
+    return _per_topology(fit, "latency_s", topology)
+
+
+def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=None,
+                 topology="star", hierarchical=False, host_cores=None, compute_s=0.0,
+                 codec=True):
+    """Predicted seconds of one step, and its parts (a dict; see the module docstring)."""
+    ranks = _check_int("ranks", ranks)
+    nodes = ranks if nodes is None else _check_int("nodes", nodes)
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
+    if ranks % nodes:
+        raise ValueError(f"{ranks} ranks do not fill {nodes} nodes evenly")
+    per_node = ranks // nodes
+    ring = nodes if hierarchical else ranks
+    wire = _wire_bytes(method, values, kept, buckets, ring)
+    factor = 2 * (ring - 1) / ring if topology == "star" else 2 * (ring - 1)
+    # One node on a star: the ring never leaves it, so it runs at memory speed.
+    rate = fit["intra_Bps"] if topology == "star" and nodes == 1 else (
+        link_efficiency(fit, topology) * link_bps)
+    network_s = wire * factor / rate
+    collectives = buckets + (method in _PACKED)
+    latency_s = latency(fit, topology) * collectives * 2 * (ring - 1)
+    intra_s = 0.0
+    if hierarchical and per_node > 1:
+        intra_s = 4 * values * 2 * (per_node - 1) / per_node / fit["intra_Bps"]
+    share = max(1.0, ranks / host_cores) if host_cores else 1.0
+    u, v = fit["codec_s_per_byte"][method]
+    codec_s = (4 * values * u + 4 * kept * v) * share if codec else 0.0
+    verify_s = 4 * values * fit["verify_s_per_byte"][method] * share if codec else 0.0
+    total = compute_s + latency_s + network_s + intra_s + codec_s + verify_s
+    return {"seconds": total, "compute_s": compute_s, "latency_s": latency_s,
+            "network_s": network_s, "intra_s": intra_s, "codec_s": codec_s,
+            "verify_s": verify_s, "wire_bytes": int(wire),
+            "bits_per_value": 8 * wire / kept if method == "pactrain-ternary" and kept else None}
+
+
+def predict(fit, *, ranks, link, method, density=1.0, model=None, nbytes=None, nodes=None,
+            topology="star", hierarchical=False, compute_s=0.0, host_cores=None, codec=True):
+    """Seconds per step of ``method`` and its speedup over flat dense fp32 and fp16 (the same
+    topology, compute and codec setting); returns a JSON-able dict."""
+    if not isinstance(compute_s, (int, float)) or compute_s < 0:
+        raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    values, kept, buckets = workload(model=model, nbytes=nbytes, density=density)
+    common = dict(ranks=ranks, link_bps=parse_rate(link), values=values, kept=kept,
+                  buckets=buckets, nodes=nodes, topology=topology, host_cores=host_cores,
+                  compute_s=compute_s, codec=codec)
+    mine = step_seconds(fit, method=method, hierarchical=hierarchical, **common)
+    baselines = {m: step_seconds(fit, method=m, **common)["seconds"]
+                 for m in ("dense-fp32", "dense-fp16")}
+    return dict(mine, ranks=ranks, nodes=nodes or ranks, link=link, topology=topology,
+                method=method, hierarchical=hierarchical, model=model, density=density,
+                values=values, kept=kept, buckets=buckets,
+                dense_fp32_s=baselines["dense-fp32"], dense_fp16_s=baselines["dense-fp16"],
+                speedup_vs_dense_fp32=baselines["dense-fp32"] / mine["seconds"],
+                speedup_vs_dense_fp16=baselines["dense-fp16"] / mine["seconds"])
+
+
+def _nnls(columns, target, weights):
+    """Non-negative weighted least squares over few unknowns: the best of every subset of
+    free unknowns whose unconstrained solution is non-negative."""
+    a = np.asarray(columns, dtype=float).T * weights[:, None]
+    b = np.asarray(target, dtype=float) * weights
+    # Unit-norm columns: step counts and byte counts differ by 1e7, which costs precision.
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    best, best_cost = np.zeros(a.shape[1]), float(b @ b)
+    for k in range(1, a.shape[1] + 1):
+        for subset in itertools.combinations(range(a.shape[1]), k):
+            solution, *_ = np.linalg.lstsq(a[:, subset], b, rcond=None)
+            if np.all(solution >= 0):
+                full = np.zeros(a.shape[1])
+                full[list(subset)] = solution
+                cost = float(np.sum((a @ full - b) ** 2))
+                if cost < best_cost:
+                    best, best_cost = full, cost
+    return best / norms
+
+
+def _points(documents):
+    """One dict per benchmark row: the run's set-up and the row's measurements."""
+    points = []
+    for doc in documents:
+        source = doc.get("source", "?")
+        for key in ("link", "ranks", "model"):
+            if doc.get(key) is None:
+                raise ValueError(f"{source}: no {key!r}; run `pacmpi bench allreduce --model NAME "
+                                 f"--link RATE --json FILE` under `pacmpi-run --link RATE`")
+        algorithm = doc.get("allreduce_algorithm")
+        if doc.get("topology") == "star" and algorithm != "ring":
+            # On the star bed Open MPI's default choice took 1.73x the ring's time for the
+            # same bytes; the model is the ring's, so such a run would only measure the choice.
+            raise ValueError(f"{source}: star run with all-reduce algorithm {algorithm!r}, not "
+                             f"the ring the model describes; rerun `pacmpi bench allreduce "
+                             f"--link RATE` (which pins the ring)")
+        for row in doc["rows"]:
+            values, kept, buckets = workload(model=doc["model"], density=row["density"])
+            points.append({
+                "source": source, "model": doc["model"], "ranks": doc["ranks"],
+                "nodes": doc.get("nodes") or doc["ranks"], "link": doc["link"],
+                "topology": doc.get("topology", "shared"), "method": row["method"],
+                "density": row["density"], "values": values, "kept": kept, "buckets": buckets,
+                "measured_s": row["time_avg_us"] / 1e6,
+                "codec_s": row["pack_unpack_us"] / 1e6, "verify_s": row["verify_us"] / 1e6,
+                "wire_bytes": row["wire_bytes_per_rank"]})
+    return points
+
+
+def _share(point, host_cores):
+    return max(1.0, point["ranks"] / host_cores) if host_cores else 1.0
+
+
+def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"]):
+    """Fit the model to benchmark documents (``pacmpi bench allreduce --json`` output with
+    ``link``); returns the fitted parameters with the points they came from.
+
+    Each term comes from the column that measures it: the codec throughputs per method from the
+    codec column (``4 n`` and ``4 kept`` bytes, non-negative least squares), the verification's
+    from the verify column; then ``a`` and ``eta`` from what each step took beyond its own
+    measured codec and verification (the network's part, latency and bytes). Fitting the codec
+    indirectly to the step times, as a first version did, let the network's misfit leak into
+    the codec coefficients. Points are weighed by ``1 / measured``, so small and large steps
+    count alike (relative error).
+    """
+    points = _points(documents)
+    if not points:
+        raise ValueError("no benchmark rows to fit")
+    fit = json.loads(json.dumps(DEFAULT_FIT))
+    fit.update(host_cores=host_cores, intra_Bps=intra_Bps)
+    share = np.array([_share(p, host_cores) for p in points])
+    values = np.array([4.0 * p["values"] for p in points]) * share
+    kept = np.array([4.0 * p["kept"] for p in points]) * share
+    methods = np.array([p["method"] for p in points])
+    codec = np.array([p["codec_s"] for p in points])
+    verify = np.array([p["verify_s"] for p in points])
+    for method in METHODS[1:]:
+        mine = methods == method
+        if not mine.any():
+            continue
+        # fp16's two casts touch every value; PacTrain's gathers touch the kept ones.
+        columns = [values[mine]] + ([kept[mine]] if method in _PACKED else [])
+        weights = 1 / np.maximum(codec[mine], 1e-9)
+        fit["codec_s_per_byte"][method][:len(columns)] = [
+            float(c) for c in _nnls(columns, codec[mine], weights)]
+        if method in _PACKED:
+            fit["verify_s_per_byte"][method] = float(
+                _nnls([values[mine]], verify[mine], 1 / np.maximum(verify[mine], 1e-9))[0])
+    # With latency and link efficiency 1, step_seconds's latency is the step count and its
+    # network time the bytes' time at the nominal rate.
+    unit = dict(fit, latency_s=1.0, link_efficiency=1.0)
+    parts = [step_seconds(unit, ranks=p["ranks"], link_bps=parse_rate(p["link"]),
+                          values=p["values"], kept=p["kept"], buckets=p["buckets"],
+                          method=p["method"], nodes=p["nodes"], topology=p["topology"],
+                          host_cores=host_cores) for p in points]
+    # One a and one eta per topology the documents cover: a column pair for each.
+    topologies = sorted({p["topology"] for p in points})
+    columns = []
+    for t in topologies:
+        on = np.array([p["topology"] == t for p in points])
+        columns += [np.where(on, [q[k] for q in parts], 0.0) for k in ("latency_s", "network_s")]
+    measured = np.array([p["measured_s"] for p in points])
+    solution = _nnls(columns, measured - codec - verify, 1 / np.maximum(measured, 1e-9))
+    fit["latency_s"] = {t: float(solution[2 * i]) for i, t in enumerate(topologies)}
+    fit["link_efficiency"] = {t: float(1 / solution[2 * i + 1]) if solution[2 * i + 1] > 0
+                              else 1.0 for i, t in enumerate(topologies)}
+    fit["points"] = [dict(p, predicted_s=_predict_point(fit, p, host_cores)) for p in points]
+    for p in fit["points"]:
+        p["error"] = p["predicted_s"] / p["measured_s"] - 1
+    return fit
+
+
+def _predict_point(fit, point, host_cores):
+    return step_seconds(fit, ranks=point["ranks"], link_bps=parse_rate(point["link"]),
+                        values=point["values"], kept=point["kept"], buckets=point["buckets"],
+                        method=point["method"], nodes=point["nodes"],
+                        topology=point["topology"], host_cores=host_cores)["seconds"]
+
+
+def validate(fit, documents):
+    """Predicted vs measured seconds of every row of held-out benchmark documents."""
+    rows = []
+    for p in _points(documents):
+        predicted = _predict_point(fit, p, fit.get("host_cores"))
+        rows.append(dict(p, predicted_s=predicted, error=predicted / p["measured_s"] - 1))
+    return rows
+
+
+def _load(paths):
+    documents = []
+    for path in paths:
+        with open(path) as fh:
+            documents.append(dict(json.load(fh), source=os.path.basename(path)))
+    return documents
+
+
+def format_points(points):
+    lines = [f"{'source':<34} {'method':>17} {'dens':>5} {'measured(s)':>11} "
+             f"{'predicted(s)':>12} {'error':>7}"]
+    for p in points:
+        lines.append(f"{p['source']:<34} {p['method']:>17} {p['density']:>5.2f} "
+                     f"{p['measured_s']:>11.3f} {p['predicted_s']:>12.3f} {p['error']:>+7.1%}")
+    return "\n".join(lines)
+
+
+def calibrate_main(argv=None):
+    """``pacmpi model calibrate``: fit the cost model to benchmark JSON, check held-out runs."""
+    parser = argparse.ArgumentParser(prog="pacmpi model calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", nargs="+", required=True, metavar="FILE",
+                        help="`pacmpi bench allreduce --model NAME --link RATE --json` files "
+                             "to fit")
+    parser.add_argument("--validate", nargs="*", default=[], metavar="FILE",
+                        help="held-out benchmark files: predicted vs measured, not fitted")
+    parser.add_argument("--host-cores", type=int, default=os.cpu_count(),
+                        help="cores the benchmark's ranks shared (default: this host's, "
+                             "%(default)s)")
+    parser.add_argument("--intra-rate", default="160gbit",
+                        help="a node's internal all-reduce rate for hierarchical predictions "
+                             "(not fitted; default %(default)s, PCIe 4.0 x16)")
+    parser.add_argument("--out", default="results/costmodel_fit.json",
+                        help="where to write the fitted model (default %(default)s)")
+    args = parser.parse_args(argv)
+    _check_int("--host-cores", args.host_cores)
+    fit = calibrate(_load(args.json), host_cores=args.host_cores,
+                    intra_Bps=parse_rate(args.intra_rate))
+    fit["fit_files"] = [os.path.basename(p) for p in args.json]
+    fit["validation"] = validate(fit, _load(args.validate)) if args.validate else []
+    with open(args.out, "w") as fh:
+        json.dump(fit, fh, indent=2)
+    for t in fit["link_efficiency"]:
+        print(f"{t}: a = {latency(fit, t) * 1e6:.1f} us per ring step, link efficiency "
+              f"{link_efficiency(fit, t):.3f}")
+    print("codec s/byte (all values, kept values), verify s/byte:")
+    for method in METHODS:
+        u, v = fit["codec_s_per_byte"][method]
+        print(f"  {method:>17}: {u:.3e}, {v:.3e}; {fit['verify_s_per_byte'][method]:.3e}")
+    print("\nfitted points:\n" + format_points(fit["points"]))
+    if fit["validation"]:
+        errors = np.abs([p["error"] for p in fit["validation"]])
+        print("\nheld-out points:\n" + format_points(fit["validation"]))
+        print(f"held-out |error|: mean {errors.mean():.1%}, max {errors.max():.1%}, "
+              f"{int(np.sum(errors <= 0.15))}/{errors.size} within 15%")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def predict_main(argv=None):
+    """``pacmpi model predict``: seconds per step and the speedup over dense fp32 and fp16."""
+    from .bench.models import MODELS
+    parser = argparse.ArgumentParser(prog="pacmpi model predict", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes the ranks fill evenly (default: one rank per node)")
+    parser.add_argument("--link", required=True, help="per-node (star) or shared link rate")
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="star")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--model", choices=MODELS)
+    size.add_argument("--bytes", dest="nbytes", help="float32 gradient bytes (e.g. 100M)")
+    parser.add_argument("--density", type=float, default=1.0)
+    parser.add_argument("--method", choices=METHODS, default="pactrain")
+    parser.add_argument("--compute-s", type=float, default=0.0,
+                        help="compute seconds per step, not overlapped (default 0)")
+    parser.add_argument("--hierarchical", action="store_true")
+    parser.add_argument("--host-cores", type=int, default=None,
+                        help="all ranks share one host of this many cores (the test bed)")
+    parser.add_argument("--no-codec", action="store_true",
+                        help="free codec and verification (a GPU's kernels, a lower bound)")
+    parser.add_argument("--fit", default="results/costmodel_fit.json",
+                        help="fitted model from `pacmpi model calibrate` (default %(default)s; "
+                             "'none': uncalibrated)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.fit == "none":
+        fit = DEFAULT_FIT
+    else:
+        with open(args.fit) as fh:
+            fit = json.load(fh)
+    nbytes = None
+    if args.nbytes is not None:
+        from .bench.allreduce import parse_size
+        nbytes = parse_size(args.nbytes)
+    try:
+        result = predict(fit, ranks=args.ranks, link=args.link, method=args.method,
+                         density=args.density, model=args.model, nbytes=nbytes,
+                         nodes=args.nodes, topology=args.topology,
+                         hierarchical=args.hierarchical, compute_s=args.compute_s,
+                         host_cores=args.host_cores, codec=not args.no_codec)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{result['method']}{' (hierarchical)' if args.hierarchical else ''}: "
+              f"{result['seconds']:.4f} s per step (network {result['network_s']:.4f}, codec "
+              f"{result['codec_s'] + result['verify_s']:.4f}, compute {result['compute_s']:.4f}); "
+              f"x{result['speedup_vs_dense_fp32']:.2f} vs dense fp32, "
+              f"x{result['speedup_vs_dense_fp16']:.2f} vs dense fp16")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(predict_main())

@@ -1,0 +1,237 @@
+"""Two-level reduction for ``PacTrainReducer(hierarchical=True)``: within each node, then across
+nodes.
+
+Ranks of one node first sum over their node communicator (fast local memory) into the node's
+leader (its node rank 0), the leaders reduce across nodes over a leaders' communicator, and
+each node broadcasts the result. :class:`HierarchicalCollectives` is that transport: every
+reduction, the verification's MAX included, passes through both levels, so one verification
+still covers every rank and every rank fails together.
+
+:class:`HierarchicalEngine` changes only the ternary payload. The leader quantizes its node's
+exact sum (``E[s q] = node sum``, so the estimator stays unbiased), non-leaders contribute
+all-zero words, and the words of K nodes, not N ranks, are summed: base-(2K+1) digits. The
+error-feedback residual is the node sum's, kept by the leader; non-leaders keep none.
+"""
+import math
+import os
+import socket
+import time
+import warnings
+
+import numpy as np
+
+from . import kernels
+from .arrays import array_module
+from .collectives import Collectives, MPICollectives
+from .engine import Encoded, StepEngine
+from .ternary import wire_bits_table
+from .verify import run_together
+
+__all__ = ["HierarchicalCollectives", "HierarchicalEngine", "node_communicator",
+           "hierarchical_wire_bits"]
+
+
+def _node_identity():
+    """What tells nodes apart on one host: its name and its network namespace (the test bed
+    runs each simulated node as a namespace of one machine)."""
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        namespace = None
+    return socket.gethostname(), namespace
+
+
+def node_communicator(comm):
+    """The ranks of ``comm`` on this rank's node: ``comm.Split_type(COMM_TYPE_SHARED)``,
+    split further by host name and network namespace; a collective call over ``comm``."""
+    from mpi4py import MPI
+
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        identities = shared.allgather(_node_identity())
+        return shared.Split(identities.index(identities[shared.Get_rank()]),
+                            key=shared.Get_rank())
+    finally:
+        shared.Free()
+
+
+def _node_members(MPI, comm, node_comm):
+    """The ranks (in ``comm``) of ``node_comm``'s members, in node-rank order."""
+    if not isinstance(node_comm, MPI.Intracomm) or node_comm == MPI.COMM_NULL:
+        raise TypeError(f"node_comm must be an mpi4py intracommunicator, got {node_comm!r}")
+    node_group, group = node_comm.Get_group(), comm.Get_group()
+    try:
+        members = MPI.Group.Translate_ranks(node_group, list(range(node_group.Get_size())),
+                                            group)
+    finally:
+        node_group.Free()
+        group.Free()
+    outside = [r for r, m in enumerate(members) if m == MPI.UNDEFINED]
+    if outside:
+        raise ValueError(f"node_comm is not a sub-communicator of comm: its ranks {outside} "
+                         f"(of {len(members)}) are not in comm")
+    return tuple(members)
+
+
+def _check_partition(table, rank):
+    """Every member of this rank's node must name the same members in the same order."""
+    for member in table[rank]:
+        if table[member] != table[rank]:
+            raise ValueError(f"node_comm is inconsistent: comm rank {rank}'s node is ranks "
+                             f"{list(table[rank])}, but rank {member} says its node is ranks "
+                             f"{list(table[member])}")
+
+
+class HierarchicalCollectives(Collectives):
+    """Reductions over ``comm`` in two levels: node reduce -> leaders' all-reduce -> node
+    broadcast; broadcasts and gathers run over ``comm`` itself.
+
+    Parameters
+    ----------
+    comm:
+        mpi4py communicator of every rank (default: a duplicate of ``COMM_WORLD``).
+    node_comm:
+        This rank's node: a sub-communicator of ``comm`` whose members all pass the same one
+        (checked: errors on every rank together). Default: :func:`node_communicator`. Its
+        rank 0 is the node's leader.
+    cuda_aware, watchdog:
+        As for :class:`pacmpi.MPICollectives`.
+
+    Attributes: ``rank``/``size`` (in ``comm``), ``nodes`` (K), ``node`` (the node's
+    transport), ``leaders`` (the leaders' transport; ``None`` on non-leaders), ``is_leader``,
+    ``node_layout`` (each node's ranks in ``comm``, ordered by leader).
+    """
+
+    word_dtypes = MPICollectives.word_dtypes
+
+    def __init__(self, *, comm=None, node_comm=None, cuda_aware="auto", watchdog=None):
+        from mpi4py import MPI
+
+        self.world = MPICollectives(comm=comm, cuda_aware=cuda_aware, watchdog=watchdog)
+        self.rank, self.size = self.world.rank, self.world.size
+        self.cuda_aware = self.world.cuda_aware
+        comm = self.world.comm
+        if node_comm is None:
+            node_comm = node_communicator(comm)
+        members = run_together(self.world, _node_members, MPI, comm, node_comm)
+        table = self.world.allgather_object(members)
+        run_together(self.world, _check_partition, table, self.rank)
+        self.node_layout = tuple(sorted(set(table)))
+        self.nodes = len(self.node_layout)
+        self.node = MPICollectives(comm=node_comm, cuda_aware=cuda_aware, watchdog=watchdog)
+        self.is_leader = self.node.rank == 0
+        leaders = comm.Split(0 if self.is_leader else MPI.UNDEFINED, key=self.rank)
+        self.leaders = (None if leaders == MPI.COMM_NULL else
+                        MPICollectives(comm=leaders, cuda_aware=cuda_aware, watchdog=watchdog))
+
+    def __getstate__(self):
+        raise TypeError("HierarchicalCollectives holds communicators and cannot be pickled")
+
+    def allreduce(self, buf, op="sum", name=None):
+        if self.node.size > 1:
+            self.node.reduce(buf, op, root=0)
+        if self.leaders is not None and self.leaders.size > 1:
+            self.leaders.allreduce(buf, op)
+        if self.node.size > 1:  # as bytes: MPI has no datatype for bfloat16
+            self.node.bcast(buf.view(np.uint8), root=0)
+
+    def bcast(self, buf, root=0, name=None):
+        self.world.bcast(buf, root=root)
+
+    def allgather_object(self, obj, name=None):
+        return self.world.allgather_object(obj)
+
+
+class HierarchicalEngine(StepEngine):
+    """:class:`pacmpi.engine.StepEngine` over a :class:`HierarchicalCollectives`: lossless and
+    float16 payloads are summed by its two-level all-reduce as they are; a ternary payload is
+    the leader's quantized node sum (see the module's docstring)."""
+
+    def _code_ranks(self, collectives):
+        return collectives.nodes
+
+    def _clear_caches(self):
+        super()._clear_caches()
+        self._node_sums = {}  # bucket -> this step's node sum (complete on the leader only)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        del state["_node_sums"]
+        return state
+
+    def _steady_buckets(self):
+        # Scales come from node sums, which exist only after the verification: none fused.
+        return {}
+
+    def agree_scales(self, flats):
+        order = [b for b in sorted(flats) if self._payload_count(b) and b not in self._scales]
+        if self.quantize != "ternary" or not order:
+            return
+        local = np.array([self._node_sum(b, flats[b]) for b in order])
+        self._agree(local, name=f"pacmpi.scales.{self.step}")
+        self._scales.update(zip(order, local))
+
+    def _node_sum(self, b, flat):
+        """Sum what bucket ``b`` sends over the node, in the compute dtype, into the leader's
+        buffer; returns the leader's max |node sum + residual| (0.0 on other ranks)."""
+        xp = array_module(flat)
+        indices = self.packed_indices(b)
+        self._apply_mask(b, flat, indices)
+        compute = kernels.compute_dtype(flat.dtype)
+        total = kernels.gather(xp, flat, indices,
+                               self._buffer(xp, ("node", b), self._payload_count(b), compute))
+        started = time.perf_counter()
+        self.collectives.node.reduce(total, "sum", root=0)
+        self.stats["comm_seconds"] += time.perf_counter() - started
+        self._node_sums[b] = total
+        if not self.collectives.is_leader:
+            return 0.0
+        return kernels.absmax(xp, total, None, self._residual_for(b, xp, compute, indices))
+
+    def _encode_ternary(self, b, xp, flat, indices, count):
+        scale = self._scales.pop(b, None)
+        if scale is None:
+            local = np.array([self._node_sum(b, flat)])
+            self._agree(local, name=f"pacmpi.scale.{self.buckets[b].name}")
+            scale = local[0]
+        total = self._node_sums.pop(b)
+        if not math.isfinite(scale):
+            # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds
+            # this rank's values already), so they propagate as on the dense path.
+            self.stats["nonfinite_fallbacks"] += 1
+            if not self.collectives.is_leader:
+                total[...] = 0
+            return total, Encoded(b, "float", indices, self.generation, count=count)
+        if not self.collectives.is_leader:
+            words = self._buffer(xp, ("words", b), self.codec.words_for(count),
+                                 self.codec.word_dtype)
+            words[...] = 0  # digit 0 everywhere: adds nothing to the leaders' digit sums
+            return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
+                                  count=count)
+        residual = self._residual_for(b, xp, total.dtype, indices)
+        words, new_residual = self._ternary_words(b, xp, total, None, residual, scale, count)
+        return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
+                              count=count, residual=new_residual)
+
+    def state_dict(self):
+        """As :meth:`StepEngine.state_dict`, with the node layout the leaders' residuals
+        belong to."""
+        return dict(super().state_dict(), node_layout=self.collectives.node_layout)
+
+    def loader(self, state, flats):
+        """As :meth:`StepEngine.loader`; residuals of another node layout (each is a node
+        sum's) start from zero, with a warning."""
+        if state.get("node_layout") != self.collectives.node_layout and state["residuals"]:
+            warnings.warn("checkpoint was written with another node layout: the nodes' "
+                          "error-feedback residuals start from zero", RuntimeWarning,
+                          stacklevel=4)
+            state = dict(state, residuals={})
+        return super().loader(state, flats)
+
+
+def hierarchical_wire_bits(ranks_per_node, nodes, word_dtype="uint64"):
+    """Ternary bits per value on the wire, flat (codes of every rank summed) vs hierarchical
+    (codes of one leader per node): ``{"flat": row, "hierarchical": row}`` with the rows of
+    :func:`pacmpi.wire_bits_table`."""
+    flat, hierarchical = wire_bits_table((ranks_per_node * nodes, nodes), word_dtype)
+    return {"flat": flat, "hierarchical": hierarchical}

@@ -1,0 +1,284 @@
+"""Paper-sized models (shape tables, magnitude masks, ``bench allreduce --model``) and the cost
+model (formulas, calibration round trip, ``pacmpi model`` commands)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pacmpi.bench.allreduce import run as bench_run
+from pacmpi.bench.models import (MODELS, PUBLISHED_COUNTS, Param, magnitude_mask, model_count,
+                                 model_params, random_weights)
+from pacmpi.buckets import DEFAULT_BUCKET_BYTES
+from pacmpi.costmodel import (DEFAULT_FIT, METHODS, calibrate, parse_rate, predict,
+                              step_seconds, validate, workload)
+from pacmpi.ternary import TernaryCodec
+from mpi_util import mpirun_argv, run_bounded
+
+GBIT = 125e6  # bytes per second
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_shape_tables_reproduce_the_published_parameter_counts(name):
+    assert model_count(name) == PUBLISHED_COUNTS[name]
+    names = [p.name for p in model_params(name)]
+    assert len(names) == len(set(names))
+
+
+def test_shape_tables_match_torchvision():
+    torchvision = pytest.importorskip("torchvision")
+    for name, build in (("resnet50", torchvision.models.resnet50),
+                        ("resnet152", torchvision.models.resnet152),
+                        ("vgg19", torchvision.models.vgg19)):
+        expected = [(n, tuple(p.shape)) for n, p in build(weights=None).named_parameters()]
+        assert [(p.name, p.shape) for p in model_params(name)] == expected
+
+
+def test_magnitude_mask_keeps_exactly_the_largest_values_ties_included():
+    params = [Param("a.weight", (10, 10), True), Param("a.bias", (10,), False),
+              Param("b.weight", (5, 20), True)]
+    # Integer magnitudes: many ties at every threshold.
+    weights = np.random.default_rng(3).integers(-4, 5, size=210).astype(np.float32)
+    prunable = np.r_[np.ones(100, bool), np.zeros(10, bool), np.ones(100, bool)]
+    for density in (1.0, 0.5, 0.37, 0.2, 0.005):
+        mask = magnitude_mask(params, weights, density)
+        assert mask[~prunable].all()
+        kept = mask[prunable]
+        assert kept.sum() == round(density * 200)
+        magnitude = np.abs(weights[prunable])
+        if not kept.all():
+            assert magnitude[kept].min() >= magnitude[~kept].max()
+
+
+def test_magnitude_mask_on_resnet50_is_exact_and_seeded():
+    params = model_params("resnet50")
+    prunable = sum(p.size for p in params if p.prunable)
+    weights = random_weights(params, seed=0)
+    assert np.array_equal(weights[:1000], random_weights(params, seed=0)[:1000])
+    mask = magnitude_mask(params, weights, 0.2)
+    assert mask.sum() == round(0.2 * prunable) + model_count("resnet50") - prunable
+    assert workload(model="resnet50", density=0.2)[1] == mask.sum()
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="unknown model 'resnet9'"):
+        model_params("resnet9")
+    with pytest.raises(ValueError, match="unknown model 'resnet9'"):
+        bench_run([], [0.5], ["pactrain"], model="resnet9")
+    params = model_params("resnet50")
+    for density in (0, 1.5, -0.2):
+        with pytest.raises(ValueError, match=rf"density must be in \(0, 1\], got {density}"):
+            magnitude_mask(params, np.ones(model_count("resnet50"), np.float32), density)
+        with pytest.raises(ValueError, match="density must be in"):
+            predict(DEFAULT_FIT, ranks=4, link="1gbit", method="pactrain", model="bert-base",
+                    density=density)
+    for ranks in (0, -3):
+        with pytest.raises(ValueError, match=f"ranks must be an integer >= 1, got {ranks}"):
+            predict(DEFAULT_FIT, ranks=ranks, link="1gbit", method="pactrain", nbytes=1 << 20)
+    with pytest.raises(ValueError, match="bad link rate 'fast'"):
+        parse_rate("fast")
+    with pytest.raises(ValueError, match="unknown method 'topk'"):
+        predict(DEFAULT_FIT, ranks=4, link="1gbit", method="topk", nbytes=1 << 20)
+    with pytest.raises(ValueError, match="6 ranks do not fill 4 nodes"):
+        predict(DEFAULT_FIT, ranks=6, nodes=4, link="1gbit", method="pactrain", nbytes=1 << 20)
+
+
+def test_cli_names_an_unknown_model():
+    done = subprocess.run([sys.executable, "-m", "pacmpi.cli", "model", "predict", "--ranks", "8",
+                           "--link", "1gbit", "--model", "resnet9", "--fit", "none"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "invalid choice: 'resnet9'" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "pacmpi.cli", "model", "predict", "--ranks", "0",
+                           "--link", "1gbit", "--bytes", "1M", "--fit", "none"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "ranks must be an integer >= 1, got 0" in done.stderr
+
+
+def test_rates_parse_in_tc_units():
+    assert parse_rate("100mbit") == 12.5e6
+    assert parse_rate("1gbit") == GBIT
+    assert parse_rate("2.5gbit") == 2.5 * GBIT
+    assert parse_rate("8000") == 1000
+
+
+# Hand-computed cases. 100 MB of float32 = 25e6 values, 4 buckets of 25 MiB; density 0.2:
+# 5e6 kept values.
+CASE = dict(values=25_000_000, kept=5_000_000, buckets=4)
+FIT = dict(DEFAULT_FIT, latency_s=1e-4, intra_Bps=20e9,
+           codec_s_per_byte=dict(DEFAULT_FIT["codec_s_per_byte"],
+                                 **{"pactrain": [1e-10, 2e-10]}),
+           verify_s_per_byte=dict(DEFAULT_FIT["verify_s_per_byte"], pactrain=5e-11))
+
+
+def test_workload_of_a_byte_count():
+    assert workload(nbytes=100_000_000, density=0.2) == (25_000_000, 5_000_000, 4)
+    assert math.ceil(1e8 / DEFAULT_BUCKET_BYTES) == 4
+
+
+def test_ring_factors_star_and_shared():
+    star = step_seconds(DEFAULT_FIT, ranks=4, link_bps=GBIT, method="dense-fp32", **CASE)
+    assert star["network_s"] == pytest.approx(1e8 * 2 * 3 / 4 / GBIT)  # 1.2 s
+    shared = step_seconds(DEFAULT_FIT, ranks=4, link_bps=GBIT, method="dense-fp32",
+                          topology="shared", **CASE)
+    assert shared["network_s"] == pytest.approx(1e8 * 2 * 3 / GBIT)  # 4.8 s: 4x the star
+    fp16 = step_seconds(DEFAULT_FIT, ranks=4, link_bps=GBIT, method="dense-fp16", **CASE)
+    assert fp16["wire_bytes"] == 5e7 and fp16["network_s"] == pytest.approx(0.6)
+    single = step_seconds(DEFAULT_FIT, ranks=1, link_bps=GBIT, method="dense-fp32", **CASE)
+    assert single["seconds"] == 0
+    one_node = step_seconds(DEFAULT_FIT, ranks=4, nodes=1, link_bps=GBIT, method="dense-fp32",
+                            **CASE)
+    assert one_node["network_s"] == pytest.approx(1e8 * 1.5 / DEFAULT_FIT["intra_Bps"])
+
+
+def test_latency_codec_and_verify_terms():
+    got = step_seconds(FIT, ranks=4, link_bps=GBIT, method="pactrain", compute_s=0.25, **CASE)
+    assert got["wire_bytes"] == 2e7
+    assert got["network_s"] == pytest.approx(2e7 * 1.5 / GBIT)           # 0.24 s
+    assert got["latency_s"] == pytest.approx(1e-4 * (4 + 1) * 2 * 3)     # 3 ms
+    assert got["codec_s"] == pytest.approx(1e8 * 1e-10 + 2e7 * 2e-10)    # 14 ms
+    assert got["verify_s"] == pytest.approx(1e8 * 5e-11)                 # 5 ms
+    assert got["seconds"] == pytest.approx(0.25 + 0.24 + 0.003 + 0.014 + 0.005)
+    # Four ranks on a 2-core host: each rank's codec runs at half speed.
+    shared = step_seconds(FIT, ranks=4, link_bps=GBIT, method="pactrain", host_cores=2, **CASE)
+    assert shared["codec_s"] == pytest.approx(2 * got["codec_s"])
+
+
+def test_ternary_bits_grow_with_the_ring_and_hierarchy_uses_nodes():
+    flat = step_seconds(DEFAULT_FIT, ranks=8, link_bps=GBIT, method="pactrain-ternary", **CASE)
+    words = math.ceil(5e6 / TernaryCodec(8, "uint64").digits_per_word)  # 15 digits
+    assert flat["wire_bytes"] == 8 * words
+    assert flat["network_s"] == pytest.approx(flat["wire_bytes"] * 2 * 7 / 8 / GBIT)
+    # 8 ranks on 2 nodes: base 5 (27 digits per uint64 word), a 2-node ring across the
+    # network, and a dense all-reduce among each node's 4 ranks at memory speed.
+    hier = step_seconds(FIT, ranks=8, nodes=2, link_bps=GBIT, method="pactrain-ternary",
+                        hierarchical=True, **CASE)
+    assert TernaryCodec(2, "uint64").digits_per_word == 27
+    assert hier["wire_bytes"] == 8 * math.ceil(5e6 / 27) == 1_481_488
+    assert hier["network_s"] == pytest.approx(1_481_488 * 1 / GBIT)
+    assert hier["intra_s"] == pytest.approx(1e8 * 2 * 3 / 4 / 20e9)      # 7.5 ms
+    assert hier["latency_s"] == pytest.approx(1e-4 * 5 * 2 * 1)
+    grows = [step_seconds(DEFAULT_FIT, ranks=n, link_bps=GBIT, method="pactrain-ternary",
+                          **CASE)["bits_per_value"] for n in (2, 16, 128, 1024)]
+    assert grows == sorted(grows) and grows[-1] > 4 * grows[0] / 2
+
+
+def test_speedups_are_ratios_of_step_times():
+    got = predict(FIT, ranks=16, nodes=2, link="10gbit", method="pactrain", model="resnet152",
+                  density=0.5, compute_s=0.1)
+    assert got["speedup_vs_dense_fp32"] == pytest.approx(got["dense_fp32_s"] / got["seconds"])
+    assert got["speedup_vs_dense_fp16"] == pytest.approx(got["dense_fp16_s"] / got["seconds"])
+    assert got["values"] == PUBLISHED_COUNTS["resnet152"]
+
+
+TRUE_FIT = dict(DEFAULT_FIT, latency_s={"shared": 3e-4, "star": 2e-3},
+                link_efficiency={"shared": 0.93, "star": 0.85},
+                host_cores=2,
+                codec_s_per_byte={"dense-fp32": [0.0, 0.0], "dense-fp16": [4e-10, 0.0],
+                                  "pactrain": [3e-10, 5e-10], "pactrain-ternary": [2e-10, 3e-9]},
+                verify_s_per_byte={"dense-fp32": 0.0, "dense-fp16": 0.0, "pactrain": 6e-10,
+                                   "pactrain-ternary": 9e-10})
+
+
+def _synthetic_documents(fit, setups):
+    """Benchmark JSON as `pacmpi bench allreduce --model --link --json` writes it, with the
+    times the model itself predicts."""
+    documents = []
+    for model, ranks, link, *topology in setups:
+        topology = topology[0] if topology else "shared"
+        rows = []
+        for density in (0.5, 0.2):
+            values, kept, buckets = workload(model=model, density=density)
+            for method in METHODS:
+                if method.startswith("dense") and density != 0.5:
+                    continue
+                got = step_seconds(fit, ranks=ranks, link_bps=parse_rate(link), values=values,
+                                   kept=kept, buckets=buckets, method=method,
+                                   topology=topology, host_cores=fit["host_cores"])
+                rows.append({"method": method, "density": density,
+                             "time_avg_us": got["seconds"] * 1e6,
+                             "pack_unpack_us": got["codec_s"] * 1e6,
+                             "verify_us": got["verify_s"] * 1e6,
+                             "wire_bytes_per_rank": got["wire_bytes"]})
+        documents.append({"ranks": ranks, "model": model, "link": link, "topology": topology,
+                          "nodes": ranks, "rows": rows, "allreduce_algorithm": "ring",
+                          "source": f"{model}_{ranks}_{link}_{topology}"})
+    return documents
+
+
+def test_calibrate_recovers_the_parameters_of_synthetic_runs():
+    documents = _synthetic_documents(TRUE_FIT, [("resnet50", 2, "1gbit"),
+                                                ("resnet50", 4, "100mbit"),
+                                                ("bert-base", 2, "100mbit"),
+                                                ("resnet50", 4, "1gbit", "star")])
+    fit = calibrate(documents, host_cores=2)
+    # One a and one eta per topology: the star's are not the shared bed's.
+    assert fit["latency_s"] == pytest.approx(TRUE_FIT["latency_s"], rel=1e-6)
+    assert fit["link_efficiency"] == pytest.approx(TRUE_FIT["link_efficiency"], rel=1e-6)
+    for method in METHODS:
+        assert fit["codec_s_per_byte"][method] == pytest.approx(
+            TRUE_FIT["codec_s_per_byte"][method], rel=1e-6, abs=1e-18)
+        assert fit["verify_s_per_byte"][method] == pytest.approx(
+            TRUE_FIT["verify_s_per_byte"][method], rel=1e-6, abs=1e-18)
+    assert max(abs(p["error"]) for p in fit["points"]) < 1e-9
+    held_out = validate(fit, _synthetic_documents(TRUE_FIT, [("gpt2-124m", 4, "1gbit"),
+                                                             ("vgg19", 2, "10gbit", "star")]))
+    assert len(held_out) == 12 and max(abs(p["error"]) for p in held_out) < 1e-9
+    default_choice = dict(documents[3], allreduce_algorithm="default")
+    with pytest.raises(ValueError, match="star run with all-reduce algorithm 'default'"):
+        calibrate([default_choice], host_cores=2)
+    shared_only = calibrate(documents[:1], host_cores=2)
+    with pytest.raises(ValueError, match="no link_efficiency for topology 'star'"):
+        validate(shared_only, documents[3:])
+
+
+def test_calibrate_and_predict_commands_round_trip(tmp_path):
+    documents = _synthetic_documents(TRUE_FIT, [("resnet50", 2, "1gbit", "star"),
+                                                ("resnet50", 4, "100mbit", "star")])
+    paths = []
+    for doc in documents:
+        paths.append(tmp_path / f"{doc.pop('source')}.json")
+        paths[-1].write_text(json.dumps(doc))
+    out = tmp_path / "fit.json"
+    cli = [sys.executable, "-m", "pacmpi.cli", "model"]
+    done = subprocess.run(cli + ["calibrate", "--json", str(paths[0]), "--validate",
+                                 str(paths[1]), "--host-cores", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6/6 within 15%" in done.stdout
+    fit = json.loads(out.read_text())
+    done = subprocess.run(cli + ["predict", "--ranks", "64", "--nodes", "8", "--link", "10gbit",
+                                 "--model", "bert-base", "--density", "0.2", "--method",
+                                 "pactrain-ternary", "--hierarchical", "--compute-s", "0.2",
+                                 "--fit", str(out), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = predict(fit, ranks=64, nodes=8, link="10gbit", model="bert-base", density=0.2,
+                       method="pactrain-ternary", hierarchical=True, compute_s=0.2)
+    assert json.loads(done.stdout) == pytest.approx(expected)
+
+
+def test_bench_allreduce_model_sends_what_the_cost_model_counts(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = mpirun_argv(2) + [sys.executable, "-m", "pacmpi.cli", "bench", "allreduce",
+                             "--model", "resnet50", "--densities", "0.2",
+                             "--methods", "dense-fp32,dense-fp16,pactrain,pactrain-ternary",
+                             "--iters", "1", "--warmup", "0", "--link", "1gbit",
+                             "--json", str(out)]
+    done = run_bounded(argv, timeout=240, what="bench allreduce --model resnet50",
+                       env=dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(out.read_text())
+    assert (doc["model"], doc["link"], doc["ranks"]) == ("resnet50", "1gbit", 2)
+    assert doc["allreduce_algorithm"] == "ring"  # --link pins the ring the model describes
+    values, kept, buckets = workload(model="resnet50", density=0.2)
+    for row in doc["rows"]:
+        assert row["wrong"] == 0 and row["buckets"] == buckets and row["count"] == values
+        expected = step_seconds(DEFAULT_FIT, ranks=2, link_bps=GBIT, values=values, kept=kept,
+                                buckets=buckets, method=row["method"])["wire_bytes"]
+        # Ternary: the model leaves out each bucket's partial last word and, on this first
+        # step, the scales' own all-reduce (16 bytes per bucket).
+        slack = 24 * buckets if row["method"] == "pactrain-ternary" else 0
+        assert 0 <= row["wire_bytes_per_rank"] - expected <= slack, row["method"]
