@@ -14,9 +14,23 @@ step and dense fallbacks; speedup = TTA(baseline) / TTA(method) against dense fp
 fp16. A sweep over pruning ratios (unshaped: it is about accuracy) reuses runs that match.
 Writes one JSON file and PNG plots, prints a table.
 
-Methods are named by label: ``dense-fp32``, ``dense-fp16`` and ``topk-<P>%`` fine-tune the
-unpruned model (``baseline_ratio``, 0 by default: what one would train without PacTrain);
-``pactrain-<R>`` and ``pactrain-ternary-<R>`` prune a fraction ``R`` first. These run the MPI
+Methods are named by label: ``dense-fp32``, ``dense-fp16``, ``topk-<P>%``, ``terngrad``
+(TernGrad, codes all-gathered) and ``dgc-<P>%`` (Deep Gradient Compression: momentum correction,
+residual accumulation; :mod:`pacmpi.adapters.baselines`) fine-tune the unpruned model
+(``baseline_ratio``, 0 by default: what one would train without PacTrain); ``pactrain-<R>`` and
+``pactrain-ternary-<R>`` prune a fraction ``R`` first (``--prune-method grasp`` with
+``--pretrain-epochs 0``: GraSP at a random initialization, training from scratch). A ``-noef``
+suffix (``topk-1%-noef``, ``pactrain-ternary-0.8-noef``) turns error feedback off.
+
+Node test bed: ``--nodes K [--topology star|shared]`` runs every (MPI) job on K simulated nodes
+(:class:`pacmpi.launch.NodeTestbed`: a namespace, an Open MPI daemon and a link of the rate per
+node, ``ranks / K`` ranks each); the larger workload is ``--dataset digits32 --model resnet18``
+(CIFAR-style ResNet-18 on the digits upscaled to 32x32).
+
+Repeats: ``--seeds 0,1,2`` runs everything once per seed (each seed its own pretraining, data
+split, target); the JSON keeps every run under ``seed_runs`` and gives the median and range over
+seeds per method under ``repeats``, with the methods whose ranges overlap (they tie).
+``--merge A.json,B.json`` joins runs made separately (other seeds or methods). These run the MPI
 backend under ``mpirun``. Labels starting ``ddp-`` run ``pacmpi train --backend ddp`` under
 ``torchrun`` (gloo) on the same test bed: ``ddp-dense`` (DDP's default all-reduce),
 ``ddp-fp16`` (``fp16_compress_hook``), ``ddp-powersgd-<K>`` (``powerSGD_hook`` of rank K) on
@@ -46,7 +60,8 @@ __all__ = [
     "DEFAULT_METHODS", "DDP_METHODS", "METHOD_PRESETS", "DEFAULT_RATES", "DEFAULT_SWEEP",
     "MethodSpec", "parse_method", "expand_methods", "job_command", "reference_label",
     "time_to_accuracy", "speedup", "throughput_stats", "summarize_run", "add_tta",
-    "tta_sensitivity", "derive", "run_benchmark", "format_table", "write_plots", "build_parser",
+    "tta_sensitivity", "derive", "spread", "overlap", "aggregate_repeats", "merge_reports",
+    "check_nodes", "run_benchmark", "format_table", "write_plots", "build_parser", "NODE_NOTES",
     "main",
 ]
 
@@ -63,15 +78,16 @@ DDP_BASELINE = "ddp-dense"  # a third speedup column when it ran
 REFERENCES = ("dense-fp32", DDP_BASELINE)
 SENSITIVITY_FRACTIONS = (0.95, 0.97, 0.98, 0.99)
 TRAIN_MODULE = "pacmpi.adapters.train"
+GATHER_METHODS = ("topk", "terngrad", "dgc")  # all-gather: n(n-1) copies cross the shared link
 CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
 
 # The full benchmark's workload; see NOTES for why.
 FULL = {"ranks": 4, "epochs": 8, "batch_size": 32, "lr": 0.01, "model": "digits_cnn",
-        "width": 32, "hidden": "1024", "pretrain_epochs": 1}
+        "width": 32, "hidden": "1024", "pretrain_epochs": 1, "dataset": "digits"}
 # --quick: a tiny model on 2 unshaped ranks, for tests and smoke runs.
 QUICK = {"ranks": 2, "epochs": 2, "batch_size": 32, "lr": 0.01, "model": "digits_cnn",
-         "width": 8, "hidden": "64", "pretrain_epochs": 1, "rates": ("none",),
-         "sweep_ratios": (0.0, 0.5, 0.8)}
+         "width": 8, "hidden": "64", "pretrain_epochs": 1, "dataset": "digits",
+         "rates": ("none",), "sweep_ratios": (0.0, 0.5, 0.8)}
 
 NOTES = [
     "Workload: scikit-learn digits (1347 train / 450 test images), DigitsCNN width 32 with a "
@@ -99,6 +115,14 @@ NOTES = [
     "crosses the one shared link: 2(n-1)x that for a ring all-reduce, n(n-1)x for TopK's "
     "all-gather.",
 ]
+NODE_NOTES = [
+    "Node test bed (--nodes K): every job runs on K simulated nodes (network namespaces behind "
+    "a switch, one Open MPI daemon each, ranks / K ranks per node in blocks); star: each node's "
+    "link is tbf-shaped to the rate in both directions, ranks on one node talk over its unshaped "
+    "lo. Calibrated (one rank per node) before every job. link_bytes_per_step still counts what "
+    "one shared link would carry (2(n-1)x bytes/step); on a star a ring all-reduce in rank "
+    "order puts 2(n-1)/n x bytes/step on each node's uplink, each direction.",
+]
 DDP_NOTES = [
     "DDP rows (ddp-*): pacmpi train --backend ddp under torchrun --standalone (gloo over TCP, "
     "pinned to the test bed's shaped lo; calibrated with mpirun as the MPI rows), the same "
@@ -115,8 +139,9 @@ DDP_NOTES = [
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
     """One benchmarked configuration: ``label`` as shown, the training job's ``method``,
-    pruning ``ratio`` and ``topk_ratio``, its ``backend`` (``"mpi"`` under mpirun, ``"ddp"``
-    under torchrun) and ``powersgd_rank`` (``--method powersgd``)."""
+    pruning ``ratio`` and ``topk_ratio`` (TopK's and DGC's kept fraction), its ``backend``
+    (``"mpi"`` under mpirun, ``"ddp"`` under torchrun), ``powersgd_rank`` (``--method
+    powersgd``) and ``error_feedback`` (off: label suffix ``-noef``)."""
 
     label: str
     method: str
@@ -124,10 +149,12 @@ class MethodSpec:
     topk_ratio: float = 0.01
     backend: str = "mpi"
     powersgd_rank: int = 1
+    error_feedback: bool = True
 
 
-_LABELS = ("dense-fp32, dense-fp16, topk-P% (0 < P <= 100), pactrain-R, pactrain-ternary-R "
-           "(0 <= R < 1), ddp-dense, ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, "
+_LABELS = ("dense-fp32, dense-fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
+           "pactrain-ternary-R (0 <= R < 1), topk-P%-noef and pactrain-ternary-R-noef (no error "
+           "feedback), ddp-dense, ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, "
            "ddp-pactrain-ternary-R, or a preset: " + ", ".join(METHOD_PRESETS))
 
 
@@ -135,16 +162,20 @@ def parse_method(label, baseline_ratio=0.0):
     """``"pactrain-0.8"`` -> ``MethodSpec("pactrain-0.8", "pactrain", 0.8)``,
     ``"ddp-powersgd-4"`` -> ``MethodSpec("ddp-powersgd-4", "powersgd", 0.0, backend="ddp",
     powersgd_rank=4)``; see the module doc."""
-    fixed = {"dense-fp32": "dense", "dense-fp16": "fp16"}
+    fixed = {"dense-fp32": "dense", "dense-fp16": "fp16", "terngrad": "terngrad"}
     if label in fixed:
         return MethodSpec(label, fixed[label], baseline_ratio)
-    match = re.fullmatch(r"topk-(\d+(?:\.\d+)?)%", label)
-    if match and 0 < float(match.group(1)) <= 100:
-        return MethodSpec(label, "topk", baseline_ratio, float(match.group(1)) / 100)
-    match = re.fullmatch(r"(ddp-)?(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)", label)
-    if match and 0 <= float(match.group(3)) < 1:
+    match = re.fullmatch(r"(topk|dgc)-(\d+(?:\.\d+)?)%(-noef)?", label)
+    if match and 0 < float(match.group(2)) <= 100 and not (match.group(1) == "dgc"
+                                                          and match.group(3)):
+        return MethodSpec(label, match.group(1), baseline_ratio, float(match.group(2)) / 100,
+                          error_feedback=not match.group(3))
+    match = re.fullmatch(r"(ddp-)?(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)(-noef)?", label)
+    if (match and 0 <= float(match.group(3)) < 1
+            and not (match.group(4) and (match.group(1) or match.group(2) == "pactrain"))):
         return MethodSpec(label, match.group(2), float(match.group(3)),
-                          backend="ddp" if match.group(1) else "mpi")
+                          backend="ddp" if match.group(1) else "mpi",
+                          error_feedback=not match.group(4))
     if label in ("ddp-dense", "ddp-fp16"):
         return MethodSpec(label, label[4:], baseline_ratio, backend="ddp")
     match = re.fullmatch(r"ddp-powersgd-([1-9]\d*)", label)
@@ -221,11 +252,12 @@ def summarize_run(result, spec, world):
         curve.append({"epoch": record["epoch"], "wall_seconds": record["wall_seconds"],
                       "train_seconds": elapsed_train, "test_accuracy": record["test_accuracy"],
                       "train_loss": record["train_loss"]})
-    fan_out = world * (world - 1) if spec.method == "topk" else 2 * (world - 1)
+    fan_out = world * (world - 1) if spec.method in GATHER_METHODS else 2 * (world - 1)
     accuracies = [p["test_accuracy"] for p in curve]
     return {
         "label": spec.label, "method": spec.method, "ratio": spec.ratio,
-        "topk_ratio": spec.topk_ratio if spec.method == "topk" else None,
+        "topk_ratio": spec.topk_ratio if spec.method in ("topk", "dgc") else None,
+        "error_feedback": spec.error_feedback, "seed": result["config"]["seed"],
         "backend": spec.backend, "launcher": "torchrun" if spec.backend == "ddp" else "mpirun",
         "powersgd_rank": spec.powersgd_rank if spec.method == "powersgd" else None,
         "parameters": result["parameters"], "density": result["density"],
@@ -244,6 +276,8 @@ def summarize_run(result, spec, world):
         "packed_reductions": summary["packed_reductions"],
         "dense_reductions": summary["dense_reductions"],
         "state_sha256": result["state_sha256"],
+        "loss_curve": [s.get("loss") for s in result["steps"]],
+        "bias": result.get("bias"),
     }
 
 
@@ -296,25 +330,122 @@ def tta_sensitivity(runs, fractions=SENSITIVITY_FRACTIONS, reference=None):
 
 
 def derive(report, target_fraction):
-    """(Re)compute every rate's target, TTA, speedups and sensitivity from the recorded curves,
-    in place (``--replot`` uses it to re-evaluate an earlier run at another target)."""
+    """(Re)compute every seed's and rate's target (from that seed's reference run), TTA,
+    speedups and sensitivity from the recorded curves, then the statistics over seeds
+    (``report["repeats"]``, see :func:`aggregate_repeats`), in place (``--replot`` uses it to
+    re-evaluate an earlier run at another target, ``--merge`` after joining runs)."""
     report["config"]["target_fraction"] = target_fraction
-    for block in report["rates"].values():
-        block["reference"] = reference_label(block["runs"])
-        block["target_accuracy"] = add_tta(block["runs"], target_fraction)
-        block["tta_sensitivity"] = tta_sensitivity(block["runs"])
+    for rates in report.get("seed_runs", {"": report["rates"]}).values():
+        for block in rates.values():
+            block["reference"] = reference_label(block["runs"])
+            block["target_accuracy"] = add_tta(block["runs"], target_fraction)
+            block["tta_sensitivity"] = tta_sensitivity(block["runs"])
+    if "seed_runs" in report:
+        report["repeats"] = aggregate_repeats(report["seed_runs"])
     return report
+
+
+REPEATED = ("final_accuracy", "best_accuracy", "tta_seconds", "tta_train_seconds",
+            "speedup_vs_dense_fp32", "speedup_vs_dense_fp16", "bytes_per_step")
+
+
+def spread(values):
+    """``{"values", "n", "median", "min", "max"}`` of ``values`` (a run that never reached the
+    target gives None: it is kept in ``values`` and left out of the statistics; ``n`` counts the
+    rest)."""
+    known = sorted(v for v in values if v is not None)
+    return {"values": list(values), "n": len(known),
+            "median": statistics.median(known) if known else None,
+            "min": known[0] if known else None, "max": known[-1] if known else None}
+
+
+def overlap(a, b):
+    """Whether two :func:`spread` ranges ``[min, max]`` overlap (the methods tie); False when
+    either has no value."""
+    if a["n"] == 0 or b["n"] == 0:
+        return False
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def aggregate_repeats(seed_runs):
+    """Per rate and method, over the seeds that ran it: :func:`spread` of each of
+    :data:`REPEATED` and of the mean throughput, ``seeds``, ``reached`` (seeds that reached the
+    target), and ``tta_ties`` / ``accuracy_ties``: the other methods whose TTA / final-accuracy
+    ranges overlap this one's."""
+    table = {}
+    for seed, rates in seed_runs.items():
+        for rate, block in rates.items():
+            for label, run in block["runs"].items():
+                table.setdefault(rate, {}).setdefault(label, []).append((seed, run))
+    out = {}
+    for rate, methods in table.items():
+        rows = {}
+        for label, runs in methods.items():
+            row = {"seeds": [seed for seed, _ in runs],
+                   "reached": sum(bool(run.get("reached_target")) for _, run in runs),
+                   "samples_per_second": spread([run["throughput"]["mean"] for _, run in runs])}
+            row.update({key: spread([run.get(key) for _, run in runs]) for key in REPEATED})
+            rows[label] = row
+        for label, row in rows.items():
+            row["tta_ties"] = [other for other, o in rows.items() if other != label
+                               and overlap(row["tta_seconds"], o["tta_seconds"])]
+            row["accuracy_ties"] = [other for other, o in rows.items() if other != label
+                                    and overlap(row["final_accuracy"], o["final_accuracy"])]
+        out[rate] = rows
+    return out
+
+
+def _seed_runs(report):
+    # Reports written before --seeds hold one seed's blocks under "rates" only.
+    return report.get("seed_runs") or {str(report["config"]["seed"]): report["rates"]}
+
+
+def merge_reports(reports):
+    """One report from runs of the same workload with different seeds (or methods): their
+    ``seed_runs`` joined (a method that ran twice for the same seed and rate is an error), the
+    first report's config with the union of seeds and methods; call :func:`derive` next."""
+    merged = json.loads(json.dumps(reports[0]))
+    merged["seed_runs"] = _seed_runs(merged)
+    workload = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
+                "pretrain_epochs", "prune_method", "baseline_ratio", "dataset", "nodes",
+                "topology")
+    for other in reports[1:]:
+        differ = [k for k in workload if other["config"].get(k) != merged["config"].get(k)]
+        if differ:
+            raise ValueError(f"cannot merge runs whose workload differs in {differ}")
+        for seed, rates in _seed_runs(other).items():
+            for rate, block in rates.items():
+                mine = merged["seed_runs"].setdefault(seed, {}).setdefault(rate, block)
+                if mine is block:
+                    continue
+                twice = sorted(set(mine["runs"]) & set(block["runs"]))
+                if twice:
+                    raise ValueError(f"seed {seed}, rate {rate}: {twice} ran in two reports")
+                mine["runs"].update(block["runs"])
+                mine["failed"].update(block["failed"])
+                mine["calibration"] += block["calibration"]
+        for key in ("methods", "rates"):
+            merged["config"][key] += [m for m in other["config"][key]
+                                      if m not in merged["config"][key]]
+    merged["config"]["seeds"] = sorted({int(seed) for seed in merged["seed_runs"]})
+    merged["rates"] = merged["seed_runs"][str(merged["config"]["seeds"][0])]
+    merged["merged_from"] = [r.get("created") for r in reports]
+    return merged
 
 
 # ---------------------------------------------------------------------------------- running
 def _train_argv(cfg, spec, pretrained, json_path, seed):
-    argv = [sys.executable, "-m", TRAIN_MODULE, "--model", cfg["model"],
+    argv = [sys.executable, "-m", TRAIN_MODULE, "--dataset", cfg.get("dataset", "digits"),
+            "--model", cfg["model"],
             "--width", str(cfg["width"]), "--hidden", str(cfg["hidden"]),
             "--pretrain-epochs", str(cfg["pretrain_epochs"]), "--pretrained", str(pretrained),
             "--epochs", str(cfg["epochs"]), "--batch-size", str(cfg["batch_size"]),
-            "--lr", str(cfg["lr"]), "--seed", str(seed), "--no-progress", "--json", str(json_path)]
+            "--lr", str(cfg["lr"]), "--seed", str(seed), "--no-progress", "--json", str(json_path),
+            "--prune-method", cfg.get("prune_method", "magnitude"), *cfg.get("train_args", ())]
     if spec is not None:
         argv += ["--method", spec.method, "--ratio", str(spec.ratio)]
+        if not spec.error_feedback:
+            argv.append("--no-error-feedback")
         if spec.backend == "ddp":
             argv += ["--backend", "ddp"]
             if spec.method == "powersgd":
@@ -328,7 +459,7 @@ def _pretrain(cfg, cache_dir, seed, timeout):
     """Fill the pretrained-model cache once: a one-rank job (MPI singleton, no launcher) with no
     fine-tuning epochs pretrains, writes the cache and exits. Every timed job then only loads
     it, so no job pays for pretraining and all of them start from the same weights."""
-    name = (f"pretrained_{cfg['model']}_w{cfg['width']}_h{str(cfg['hidden']).replace(',', '-')}"
+    name = (f"pretrained_{cfg.get('dataset', 'digits')}_{cfg['model']}_w{cfg['width']}_h{str(cfg['hidden']).replace(',', '-')}"
             f"_e{cfg['pretrain_epochs']}_s{seed}.pt")
     path = Path(cache_dir) / name
     if path.exists():
@@ -351,10 +482,40 @@ def _say(message, echo):
 def job_command(cfg, spec, rate, pretrained, json_path, seed=0):
     """``(argv, ranks, options)`` of one training job for :func:`pacmpi.launch.run_command`:
     MPI rows under ``mpirun`` (oversubscribed), ``ddp-*`` rows under ``torchrun``, both on the
-    test bed when ``rate`` is not ``"none"``."""
+    test bed when ``rate`` is not ``"none"``; with ``cfg["nodes"]`` (MPI rows only, see
+    :func:`check_nodes`) on that many simulated nodes, ``cfg["topology"]``, ``rate`` per link."""
     ddp = spec.backend == "ddp"
-    return (_train_argv(cfg, spec, pretrained, json_path, seed), cfg["ranks"],
-            {"link": rate, "oversubscribe": not ddp, "torchrun": ddp})
+    options = {"link": rate, "oversubscribe": not ddp, "torchrun": ddp}
+    if cfg.get("nodes"):
+        options.update(nodes=cfg["nodes"], topology=cfg.get("topology") or "star")
+    return _train_argv(cfg, spec, pretrained, json_path, seed), cfg["ranks"], options
+
+
+def check_nodes(nodes, topology, ranks, rates, sweep_rate, specs):
+    """``ValueError`` naming the bad value unless the jobs can run on ``nodes`` simulated nodes:
+    ``ranks`` a multiple of ``nodes`` (rank r on node r // (ranks / nodes)), every rate (and
+    the sweep's, when there is a sweep: ``sweep_rate`` None) shaped, and no ``ddp-*`` row
+    (torchrun starts all its workers on one host; the node bed starts Open MPI daemons).
+    ``topology`` without ``nodes`` is an error too."""
+    if nodes is None:
+        if topology is not None:
+            raise ValueError(f"--topology {topology} applies to --nodes K")
+        return
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 2:
+        raise ValueError(f"--nodes must be an integer >= 2, got {nodes!r}")
+    if topology not in (None, "star", "shared"):
+        raise ValueError(f"--topology must be star or shared, got {topology!r}")
+    if ranks % nodes:
+        raise ValueError(f"--ranks {ranks} is not a multiple of --nodes {nodes}: every node "
+                         "runs the same number of ranks")
+    unshaped = [r for r in (*rates, *([sweep_rate] if sweep_rate else [])) if r == "none"]
+    if unshaped:
+        raise ValueError("--nodes needs a shaped rate for every node's link: rate 'none' "
+                         "(in --rates or --sweep-rate) cannot run on the node test bed")
+    ddp = [spec.label for spec in specs if spec.backend == "ddp"]
+    if ddp:
+        raise ValueError(f"--nodes runs mpirun with one Open MPI daemon per node; {ddp} run "
+                         "under torchrun on one host: leave them out or drop --nodes")
 
 
 def _launch(cfg, spec, rate, pretrained, workdir, seed, tolerance, timeout, echo):
@@ -382,7 +543,7 @@ def _run_rate(cfg, specs, rate, pretrained, workdir, seed, tolerance, timeout, e
     """Every method at one rate; a refused or failed test bed ends the rate (no results)."""
     block = {"status": "ok", "error": None, "calibration": [], "runs": {}, "failed": {}}
     for spec in specs:
-        _say(f"{rate:>8} {spec.label:<22} running", echo)
+        _say(f"{rate:>8} {spec.label:<22} seed {seed} running", echo)
         try:
             record, calibration, error = _launch(cfg, spec, rate, pretrained, workdir, seed,
                                                  tolerance, timeout, echo)
@@ -409,9 +570,11 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                   sweep_rate="none", ranks=FULL["ranks"], epochs=FULL["epochs"],
                   batch_size=FULL["batch_size"], lr=FULL["lr"], model=FULL["model"],
                   width=FULL["width"], hidden=FULL["hidden"],
-                  pretrain_epochs=FULL["pretrain_epochs"], baseline_ratio=0.0,
-                  target_fraction=0.98, tolerance=0.15, timeout=1200, seed=0, cache_dir=None,
-                  out_dir="results", json_path=None, plots=True, echo=True, notes=NOTES):
+                  pretrain_epochs=FULL["pretrain_epochs"], dataset=FULL["dataset"],
+                  nodes=None, topology=None, baseline_ratio=0.0,
+                  target_fraction=0.98, tolerance=0.15, timeout=1200, seed=0, seeds=None,
+                  prune_method="magnitude", train_args=(), cache_dir=None,
+                  out_dir="results", json_path=None, plots=True, echo=True, notes=None):
     """Run the benchmark and return its JSON-able dict (also written to ``json_path``,
     default ``out_dir/bench_train.json``; plots go to ``out_dir``).
 
@@ -419,45 +582,72 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     (labels, see :func:`parse_method`); ``sweep_ratios`` (pruning ratios for accuracy versus
     ratio, run with PacTrain at ``sweep_rate``; runs already made there are reused; empty: no
     sweep); ``ranks``, ``epochs``, ``batch_size`` (per rank), ``lr``, ``model``, ``width``,
-    ``hidden``, ``pretrain_epochs``, ``seed``: the training job's; ``baseline_ratio``: pruning
+    ``hidden``, ``pretrain_epochs``, ``dataset``, ``seed``, ``prune_method`` (PacTrain rows):
+    the training job's; ``nodes``, ``topology``: run every job on ``nodes`` simulated nodes
+    (``ranks / nodes`` ranks each, ``topology`` ``"star"`` by default, every link at the rate;
+    see :func:`check_nodes`); ``seeds``: run everything once per seed (each seed pretrains its own model and sets
+    its own target from its own reference run; ``report["seed_runs"][seed]`` keeps every run,
+    ``report["rates"]`` is the first seed's, ``report["repeats"]`` the median and range over
+    seeds; default ``(seed,)``); ``train_args``: extra flags for every training job (e.g.
+    ``("--bias-probe",)``); ``baseline_ratio``: pruning
     of the dense/fp16/TopK baselines; ``target_fraction``: TTA target as a fraction of the dense
     fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
     nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
-    cached (default ``$XDG_CACHE_HOME/pacmpi`` or ``~/.cache/pacmpi``). The plots are named
+    cached (default ``$XDG_CACHE_HOME/pacmpi`` or ``~/.cache/pacmpi``); ``notes``: the JSON's
+    notes (default :data:`NOTES` for the default workload, else a line naming it, plus
+    :data:`NODE_NOTES` on the node test bed). The plots are named
     after the JSON file: ``out_dir/<json stem>_<plot>.png`` (``bench_train_tta_speedup.png``).
     """
     started = time.perf_counter()
     methods = expand_methods(methods)
     specs = [parse_method(m, baseline_ratio) for m in methods]
+    check_nodes(nodes, topology, ranks, rates, sweep_rate if sweep_ratios else None, specs)
+    topology = (topology or "star") if nodes else None
+    seeds = tuple(seeds) if seeds else (seed,)
     cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
-           "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs}
+           "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs,
+           "dataset": dataset, "nodes": nodes, "topology": topology,
+           "prune_method": prune_method, "train_args": list(train_args)}
+    if notes is None:
+        default = all(cfg[k] == FULL[k] for k in ("model", "width", "hidden", "dataset"))
+        notes = list(NOTES if default else [
+            f"Workload: --dataset {dataset} --model {model} --width {width} (--hidden {hidden} "
+            f"where the model has one), {epochs} fine-tuning epochs of {ranks} ranks x "
+            f"{batch_size} samples per step after {pretrain_epochs} pretraining epochs; see "
+            "the README for why this size."] + NOTES[4:])
+        notes += NODE_NOTES if nodes else []
     cache_dir = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                      / "pacmpi")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = Path(json_path) if json_path else out_dir / "bench_train.json"
-    pretrained = _pretrain(cfg, cache_dir, seed, timeout)
-    _say(f"pretrained model cached at {pretrained}", echo)
+    pretrained = {s: _pretrain(cfg, cache_dir, s, timeout) for s in seeds}
+    _say(f"pretrained models cached at {', '.join(map(str, pretrained.values()))}", echo)
 
     report = {
-        "benchmark": "pacmpi bench train", "schema_version": 1,
+        "benchmark": "pacmpi bench train",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
                  "python": platform.python_version()},
         "config": {**cfg, "rates": list(rates), "methods": list(methods),
                    "sweep_ratios": list(sweep_ratios), "sweep_rate": sweep_rate,
                    "baseline_ratio": baseline_ratio, "target_fraction": target_fraction,
-                   "tolerance": tolerance, "seed": seed, "pretrained": str(pretrained)},
-        "notes": list(notes) + (DDP_NOTES if any(s.backend == "ddp" for s in specs) else []),
-        "rates": {}, "ratio_sweep": None, "plots": {},
+                   "tolerance": tolerance, "seed": seeds[0], "seeds": list(seeds),
+                   "pretrained": {str(s): str(p) for s, p in pretrained.items()}},
+        "notes": notes + (DDP_NOTES if any(s.backend == "ddp" for s in specs) else []),
+        "schema_version": 2, "seed_runs": {}, "rates": {}, "ratio_sweep": None, "plots": {},
     }
-    with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
-        for rate in rates:
-            report["rates"][rate] = _run_rate(cfg, specs, rate, pretrained, workdir, seed,
-                                              tolerance, timeout, echo)
-        if sweep_ratios:
+    for s in seeds:
+        with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
+            report["seed_runs"][str(s)] = {
+                rate: _run_rate(cfg, specs, rate, pretrained[s], workdir, s, tolerance, timeout,
+                                echo) for rate in rates}
+    report["rates"] = report["seed_runs"][str(seeds[0])]
+    if sweep_ratios:
+        with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
             report["ratio_sweep"] = _sweep(cfg, sweep_ratios, sweep_rate, report["rates"],
-                                           pretrained, workdir, seed, tolerance, timeout, echo)
+                                           pretrained[seeds[0]], workdir, seeds[0], tolerance,
+                                           timeout, echo)
     derive(report, target_fraction)
     if plots:
         report["plots"] = write_plots(report, out_dir, prefix=json_path.stem)
@@ -506,7 +696,10 @@ def format_table(report):
     """The results as plain-text tables, one per rate, then the ratio sweep."""
     lines = []
     for rate, block in report["rates"].items():
-        lines.append(f"== link {rate} ({report['config']['ranks']} ranks) ==")
+        cfg = report["config"]
+        where = (f"{cfg['ranks']} ranks on {cfg['nodes']} nodes, {cfg['topology']} topology"
+                 if cfg.get("nodes") else f"{cfg['ranks']} ranks")
+        lines.append(f"== link {rate} ({where}) ==")
         if block["status"] != "ok":
             lines.append(f"  {block['status'].upper()}: {block['error']}")
             continue
@@ -548,6 +741,7 @@ def format_table(report):
             lines.append(f"  never reached the target: {', '.join(never)}")
         for label, error in block["failed"].items():
             lines.append(f"  FAILED {label}: {error.splitlines()[0][:200]}")
+    lines += _repeats_table(report)
     sweep = report.get("ratio_sweep")
     if sweep:
         lines.append(f"== accuracy vs pruning ratio (PacTrain, link {sweep['rate']}; "
@@ -557,6 +751,35 @@ def format_table(report):
                          f"{_fmt(p['final_accuracy'], '.4f')}, "
                          f"best {_fmt(p['best_accuracy'], '.4f')}")
     return "\n".join(lines)
+
+
+def _median_range(stat, spec):
+    if stat["n"] == 0:
+        return "never"
+    text = (f"{format(stat['median'], spec)} [{format(stat['min'], spec)}, "
+            f"{format(stat['max'], spec)}]")
+    missing = len(stat["values"]) - stat["n"]
+    return text + (f" ({missing} never)" if missing else "")
+
+
+def _repeats_table(report):
+    """Median [min, max] over seeds per rate and method, and which methods tie."""
+    seeds = report["config"].get("seeds", [])
+    if len(seeds) < 2:
+        return []
+    lines = []
+    for rate, rows in report.get("repeats", {}).items():
+        lines.append(f"== link {rate}: median [min, max] over seeds {seeds} ==")
+        w = max([22] + [len(label) for label in rows])
+        lines.append(f"  {'method':<{w}} {'n':>2} {'final accuracy':>28} {'TTA s':>26} "
+                     f"{'x dense-fp32':>24}  TTA ties with")
+        for label, row in rows.items():
+            lines.append(f"  {label:<{w}} {len(row['seeds']):>2} "
+                         f"{_median_range(row['final_accuracy'], '.4f'):>28} "
+                         f"{_median_range(row['tta_seconds'], '.1f'):>26} "
+                         f"{_median_range(row['speedup_vs_dense_fp32'], '.2f'):>24}  "
+                         f"{', '.join(row['tta_ties']) or '-'}")
+    return lines
 
 
 def write_plots(report, out_dir, prefix="bench_train"):
@@ -665,12 +888,37 @@ def write_plots(report, out_dir, prefix="bench_train"):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         save(fig, "accuracy_vs_ratio")
+
+    repeats = report.get("repeats") if len(report["config"].get("seeds", [])) > 1 else None
+    if repeats:
+        fig, axes = plt.subplots(1, len(repeats), figsize=(5.5 * len(repeats), 4),
+                                 squeeze=False)
+        for ax, (rate, rows) in zip(axes[0], repeats.items()):
+            labels = [m for m in methods if m in rows and rows[m]["tta_seconds"]["n"]]
+            for i, label in enumerate(labels):
+                stat = rows[label]["tta_seconds"]
+                ax.errorbar([i], [stat["median"]], yerr=[[stat["median"] - stat["min"]],
+                                                         [stat["max"] - stat["median"]]],
+                            fmt="o", capsize=4, color=colors[label])
+                ax.plot([i] * stat["n"], [v for v in stat["values"] if v is not None], ".",
+                        color="gray", ms=4)
+            ax.set_xticks(range(len(labels)),
+                          [f"{m} ({rows[m]['tta_seconds']['n']}/{len(rows[m]['seeds'])} "
+                           "reached)" for m in labels], rotation=30, ha="right", fontsize=7)
+            ax.set(title=f"link {rate}: TTA median and range over seeds "
+                         f"{report['config']['seeds']}", ylabel="TTA (s)")
+            ax.grid(axis="y", alpha=0.3)
+        save(fig, "tta_repeats")
     return paths
 
 
 # ---------------------------------------------------------------------------------- CLI
 def _floats(text):
     return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text):
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _words(text):
@@ -706,8 +954,19 @@ def build_parser(parser=None):
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None,
                             help=f"default {FULL[key]} ({QUICK[key]} with --quick)")
     parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None,
+                        help=f"training job's --model (default {FULL['model']})")
+    parser.add_argument("--dataset", default=None,
+                        help=f"training job's --dataset (default {FULL['dataset']}; digits32: "
+                             "the digits upscaled to 32x32, for --model resnet18)")
     parser.add_argument("--hidden", default=None)
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="run every job on K simulated nodes (pacmpi-run --nodes), "
+                             "ranks / K per node, each node's link at the rate (MPI rows "
+                             "only; no rate 'none')")
+    parser.add_argument("--topology", choices=("star", "shared"), default=None,
+                        help="with --nodes: star (default; a private link per node) or shared "
+                             "(one queue for all traffic)")
     parser.add_argument("--baseline-ratio", type=float, default=0.0,
                         help="pruning ratio of the dense/fp16/TopK baselines (default 0)")
     parser.add_argument("--target-fraction", type=float, default=None,
@@ -717,6 +976,15 @@ def build_parser(parser=None):
                         help="refuse a rate whose calibration is this far off nominal")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per training job")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=_ints, default=None,
+                        help="run everything once per seed, e.g. 0,1,2; the JSON keeps every "
+                             "run and adds median and range over seeds (default: --seed)")
+    parser.add_argument("--prune-method", choices=("magnitude", "grasp"), default="magnitude",
+                        help="how the PacTrain rows prune (grasp: at initialization with "
+                             "--pretrain-epochs 0)")
+    parser.add_argument("--merge", metavar="JSON,JSON", type=_words, default=None,
+                        help="join earlier runs of the same workload (other seeds or methods) "
+                             "into --json, recompute, plot and print the table")
     parser.add_argument("--cache-dir", default=None, help="pretrained-model cache")
     parser.add_argument("--out-dir", default="results", help="JSON and plots (default results/)")
     parser.add_argument("--json", default=None, help="default OUT_DIR/bench_train.json")
@@ -731,10 +999,16 @@ def build_parser(parser=None):
 def main(argv=None):
     """Entry point of ``pacmpi bench train``. Exit status: 0; 1 when a job failed; 3 when a
     rate's calibration was refused (the other rates are still reported)."""
-    args = build_parser().parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            report = json.load(f)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.merge and not args.json:
+        parser.error("--merge needs --json for the merged report")
+    if args.merge or args.replot:
+        reports = []
+        for path in args.merge or (args.replot,):
+            with open(path) as f:
+                reports.append(json.load(f))
+        report = merge_reports(reports) if args.merge else reports[0]
         derive(report, args.target_fraction or report["config"]["target_fraction"])
         report["plots"] = write_plots(report, args.out_dir,
                                       prefix=Path(args.json or args.replot).stem)
@@ -747,23 +1021,32 @@ def main(argv=None):
     preset = QUICK if args.quick else FULL
     workload = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
                 for k in ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
-                          "pretrain_epochs")}
+                          "pretrain_epochs", "dataset")}
     default_rates = QUICK["rates"] if args.quick else DEFAULT_RATES
     default_sweep = QUICK["sweep_ratios"] if args.quick else DEFAULT_SWEEP
+    rates = args.rates or default_rates
+    sweep_ratios = (() if args.no_sweep else default_sweep if args.sweep_ratios is None
+                    else args.sweep_ratios)
+    try:
+        check_nodes(args.nodes, args.topology, workload["ranks"], rates,
+                    args.sweep_rate if sweep_ratios else None,
+                    [parse_method(m) for m in args.methods])
+    except ValueError as exc:
+        parser.error(str(exc))
     report = run_benchmark(
-        rates=args.rates or default_rates, methods=args.methods,
-        sweep_ratios=(() if args.no_sweep else default_sweep if args.sweep_ratios is None
-                      else args.sweep_ratios),
+        rates=rates, methods=args.methods, sweep_ratios=sweep_ratios,
+        nodes=args.nodes, topology=args.topology,
         sweep_rate=args.sweep_rate, baseline_ratio=args.baseline_ratio,
         target_fraction=args.target_fraction or 0.98, tolerance=args.tolerance,
-        timeout=args.timeout,
-        seed=args.seed, cache_dir=args.cache_dir, out_dir=args.out_dir, json_path=args.json,
+        timeout=args.timeout, seed=args.seed, seeds=args.seeds,
+        prune_method=args.prune_method, cache_dir=args.cache_dir, out_dir=args.out_dir,
+        json_path=args.json,
         plots=not args.no_plots, **workload)
     print(format_table(report))
     print(f"total {report['total_seconds']:.0f} s; wrote {report['json']}"
           + (f" and {len(report['plots'])} plots" if report["plots"] else ""))
-    blocks = list(report["rates"].values()) + ([report["ratio_sweep"]]
-                                                if report["ratio_sweep"] else [])
+    blocks = [block for rates in report["seed_runs"].values() for block in rates.values()]
+    blocks += [report["ratio_sweep"]] if report["ratio_sweep"] else []
     if any(b["status"] == "refused" for b in blocks):
         return CALIBRATION_REFUSED
     return 1 if any(b["status"] != "ok" or b["failed"] for b in blocks) else 0

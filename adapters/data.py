@@ -2,6 +2,8 @@
 
 * :func:`load_digits_split` -- scikit-learn's 8x8 handwritten digits (ships with
   scikit-learn, no download): real data that trains in seconds on a CPU.
+* :func:`load_digits32_split` -- the same digits, upscaled to 32x32 (bilinear), for models
+  built for CIFAR-sized inputs (the CIFAR-style ResNet-18).
 * :func:`load_cifar10` -- CIFAR-10 from a local copy (never downloads).
 * :func:`shard` -- disjoint, equal-size per-rank shards (remainder dropped, so every rank
   takes the same number of steps and collective calls stay matched).
@@ -22,6 +24,7 @@ __all__ = [
     "DataSplit",
     "iterate_minibatches",
     "load_cifar10",
+    "load_digits32_split",
     "load_digits_split",
     "shard",
 ]
@@ -59,6 +62,20 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:
     y = digits.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
     return DataSplit(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (x_tr, y_tr, x_te, y_te)))
+
+
+def load_digits32_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:
+    """:func:`load_digits_split` (the same split for the same seed) with every image upscaled
+    from 8x8 to 32x32: images ``(N, 1, 32, 32)`` float32 in [0, 1].
+
+    Upscaling is bilinear (``torch.nn.functional.interpolate``, ``align_corners=False``, no
+    antialiasing), which is deterministic on the CPU; each output pixel is a convex
+    combination of input pixels, so values stay in [0, 1].
+    """
+    split = load_digits_split(test_fraction=test_fraction, seed=seed)
+    up = [torch.nn.functional.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
+          for x in (split.x_train, split.x_test)]
+    return DataSplit(up[0].contiguous(), split.y_train, up[1].contiguous(), split.y_test)
 
 
 Shardable = Union[torch.Tensor, Sequence[torch.Tensor], Dataset]

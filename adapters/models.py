@@ -3,7 +3,8 @@
 All models use PyTorch's default initialisation, so ``torch.manual_seed(s)`` before
 construction gives identical weights (what data-parallel ranks rely on before the
 initial broadcast). Each contains BatchNorm layers (except :class:`MLP`) so that the
-pruning defaults (norm layers and biases are never pruned) are exercised.
+pruning defaults (norm layers and biases are never pruned) are exercised; ``MODELS["resnet18"]``
+is a CIFAR-style ResNet-18 (:class:`ResNet18`), the larger workload of ``pacmpi bench train``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["CifarCNN", "DigitsCNN", "MLP", "MODELS", "build_model", "count_parameters"]
+__all__ = ["BasicBlock", "CifarCNN", "DigitsCNN", "MLP", "MODELS", "ResNet18", "build_model",
+           "count_parameters"]
 
 
 class DigitsCNN(nn.Module):
@@ -102,7 +104,64 @@ class CifarCNN(nn.Module):
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
 
 
-MODELS = {"digits_cnn": DigitsCNN, "mlp": MLP, "cifar_cnn": CifarCNN}
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 convs (+BatchNorm), ReLU, identity shortcut, or a strided
+    1x1 conv (+BatchNorm) when the block changes resolution or width."""
+
+    def __init__(self, fan_in: int, fan_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(fan_in, fan_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(fan_out)
+        self.conv2 = nn.Conv2d(fan_out, fan_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(fan_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or fan_in != fan_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(fan_in, fan_out, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(fan_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """CIFAR-style ResNet-18 for ``(N, in_channels, 32, 32)``: a 3x3 stem conv (stride 1, no
+    max-pool, as for CIFAR rather than ImageNet's 7x7 stem), four stages of two
+    :class:`BasicBlock` each with ``width, 2*width, 4*width, 8*width`` channels (stages 2-4
+    halve the resolution), global average pooling, one linear layer. ``width=64`` is the
+    usual CIFAR ResNet-18 (11.17 M parameters with 3 input channels and 10 classes); the
+    parameter count scales with ``width ** 2``.
+
+    Args:
+        width: channels of the stem and of the first stage.
+        in_channels: input image channels (1 for digits, 3 for CIFAR-10).
+        num_classes: number of output logits.
+    """
+
+    def __init__(self, width: int = 64, in_channels: int = 3, num_classes: int = 10):
+        super().__init__()
+        for name, value in (("width", width), ("in_channels", in_channels),
+                            ("num_classes", num_classes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        stages, fan_in = [], width
+        for i in range(4):
+            fan_out = width << i
+            stride = 1 if i == 0 else 2
+            stages.append(nn.Sequential(BasicBlock(fan_in, fan_out, stride),
+                                        BasicBlock(fan_out, fan_out)))
+            fan_in = fan_out
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(fan_in, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
+
+
+MODELS = {"digits_cnn": DigitsCNN, "mlp": MLP, "cifar_cnn": CifarCNN, "resnet18": ResNet18}
 
 
 def build_model(name: str, **kwargs) -> nn.Module:

@@ -18,10 +18,13 @@ links of ``B`` bytes/s it takes::
 - codec: ``4 n / u + 4 kept / v`` seconds per method (gathers and rounding work on the kept
   values, the scatter clears every value; fp16's two casts touch every value), verify
   ``4 n / w`` (one comparison pass over the mask; ternary steps also compute scales there),
-  each multiplied by ``ranks on a host / its cores`` when ranks share cores (the test bed).
+  each multiplied by ``ranks on a host / its cores`` when ranks share cores (the test bed);
+- ``a`` and ``eta`` per topology (see :data:`DEFAULT_FIT`); the model is the ring's, which
+  ``pacmpi bench allreduce --link`` pins.
 
-:func:`calibrate` fits ``a``, ``eta`` and the codec throughputs to ``pacmpi bench allreduce
---link RATE --json`` files; :func:`predict` evaluates the model. ``compute_s`` adds a step's
+:func:`calibrate` fits the codec and verify throughputs to their measured columns and ``a``,
+``eta`` to the rest of the step times of ``pacmpi bench allreduce --link RATE --json`` files;
+:func:`predict` evaluates the model. ``compute_s`` adds a step's
 compute, not overlapped with communication (a conservative choice for the speedup).
 """
 import argparse
@@ -37,7 +40,8 @@ from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from .ternary import TernaryCodec
 
 __all__ = ["METHODS", "TOPOLOGIES", "DEFAULT_FIT", "parse_rate", "workload", "predict",
-           "latency", "link_efficiency", "step_seconds", "calibrate", "validate", "calibrate_main", "predict_main"]
+           "latency", "link_efficiency", "step_seconds", "calibrate", "validate",
+           "calibrate_main", "predict_main"]
 
 METHODS = ("dense-fp32", "dense-fp16", "pactrain", "pactrain-ternary")
 TOPOLOGIES = ("star", "shared")
@@ -55,6 +59,8 @@ DEFAULT_FIT = {
 through veths, a bridge and two tbf queues per link, each link carrying one TCP flow per
 direction; the shared bed moves 64 KiB packets through one queue on ``lo`` that every flow
 shares. A single number applies to both."""
+
+_FIT_FILE = "results/costmodel_fit.json"
 
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
@@ -298,6 +304,7 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
     fit["latency_s"] = {t: float(solution[2 * i]) for i, t in enumerate(topologies)}
     fit["link_efficiency"] = {t: float(1 / solution[2 * i + 1]) if solution[2 * i + 1] > 0
                               else 1.0 for i, t in enumerate(topologies)}
+
     fit["points"] = [dict(p, predicted_s=_predict_point(fit, p, host_cores)) for p in points]
     for p in fit["points"]:
         p["error"] = p["predicted_s"] / p["measured_s"] - 1
@@ -352,7 +359,7 @@ def calibrate_main(argv=None):
     parser.add_argument("--intra-rate", default="160gbit",
                         help="a node's internal all-reduce rate for hierarchical predictions "
                              "(not fitted; default %(default)s, PCIe 4.0 x16)")
-    parser.add_argument("--out", default="results/costmodel_fit.json",
+    parser.add_argument("--out", default=_FIT_FILE,
                         help="where to write the fitted model (default %(default)s)")
     args = parser.parse_args(argv)
     _check_int("--host-cores", args.host_cores)
@@ -401,16 +408,25 @@ def predict_main(argv=None):
                         help="all ranks share one host of this many cores (the test bed)")
     parser.add_argument("--no-codec", action="store_true",
                         help="free codec and verification (a GPU's kernels, a lower bound)")
-    parser.add_argument("--fit", default="results/costmodel_fit.json",
-                        help="fitted model from `pacmpi model calibrate` (default %(default)s; "
-                             "'none': uncalibrated)")
+    parser.add_argument("--fit", default=None,
+                        help=f"fitted model from `pacmpi model calibrate` (default {_FIT_FILE} "
+                             f"when it exists here, else uncalibrated; 'none': uncalibrated)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    if args.fit is None and not os.path.exists(_FIT_FILE):
+        # Outside the repository (an installed wheel, another directory) there is no fit; say
+        # so rather than fail, since the uncalibrated model is still the formula.
+        print(f"pacmpi model predict: no {_FIT_FILE} here, using the uncalibrated model "
+              f"(--fit FILE to choose one)", file=sys.stderr)
+        args.fit = "none"
     if args.fit == "none":
         fit = DEFAULT_FIT
     else:
-        with open(args.fit) as fh:
-            fit = json.load(fh)
+        try:
+            with open(args.fit or _FIT_FILE) as fh:
+                fit = json.load(fh)
+        except (OSError, ValueError) as exc:
+            parser.error(f"cannot read --fit {args.fit or _FIT_FILE!r}: {exc}")
     nbytes = None
     if args.nbytes is not None:
         from .bench.allreduce import parse_size

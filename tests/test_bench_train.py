@@ -11,8 +11,10 @@ import pytest
 from mpi_util import netns_skip_reason
 
 from pacmpi.adapters.bench_train import (DDP_METHODS, FULL, MethodSpec, add_tta, build_parser,
-                                         expand_methods, job_command, main, parse_method,
-                                         speedup, throughput_stats, time_to_accuracy)
+                                         check_nodes, derive, expand_methods, format_table,
+                                         job_command, main, merge_reports, overlap,
+                                         parse_method, speedup, spread, throughput_stats,
+                                         time_to_accuracy)
 from pacmpi.launch import run_command
 
 PY = sys.executable
@@ -108,6 +110,21 @@ def test_parse_method_labels_and_negative_controls():
             parse_method(bad)
 
 
+def test_parse_baseline_and_no_error_feedback_labels():
+    assert parse_method("terngrad") == MethodSpec("terngrad", "terngrad", 0.0)
+    assert parse_method("dgc-0.1%") == MethodSpec("dgc-0.1%", "dgc", 0.0, 0.001)
+    assert parse_method("topk-1%-noef") == MethodSpec("topk-1%-noef", "topk", 0.0, 0.01,
+                                                      error_feedback=False)
+    spec = parse_method("pactrain-ternary-0.0-noef")
+    assert (spec.method, spec.ratio, spec.error_feedback) == ("pactrain-ternary", 0.0, False)
+    assert parse_method("pactrain-ternary-0.8").error_feedback is True
+    # error feedback exists only where there is a residual
+    for bad in ("pactrain-0.8-noef", "dgc-1%-noef", "terngrad-noef",
+                "ddp-pactrain-ternary-0.8-noef", "dgc-0%", "dgc"):
+        with pytest.raises(ValueError, match="unknown method label"):
+            parse_method(bad)
+
+
 def test_parse_ddp_method_labels_and_negative_controls():
     assert parse_method("ddp-dense") == MethodSpec("ddp-dense", "dense", 0.0, backend="ddp")
     assert parse_method("ddp-fp16", 0.5) == MethodSpec("ddp-fp16", "fp16", 0.5, backend="ddp")
@@ -150,10 +167,11 @@ def test_job_command_lines(monkeypatch, tmp_path):
     """MPI rows under mpirun, DDP rows under torchrun (its workers on the test bed's lo)."""
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # dry runs need no root
     venv = str(Path(PY).parent)
-    train = [PY, "-m", "pacmpi.adapters.train", "--model", "digits_cnn", "--width", "32",
+    train = [PY, "-m", "pacmpi.adapters.train", "--dataset", "digits", "--model", "digits_cnn",
+             "--width", "32",
              "--hidden", "1024", "--pretrain-epochs", "1", "--pretrained", "pre.pt", "--epochs",
              "8", "--batch-size", "32", "--lr", "0.01", "--seed", "0", "--no-progress",
-             "--json", "out.json"]
+             "--json", "out.json", "--prune-method", "magnitude"]
 
     def dry(label, rate):
         argv, ranks, options = job_command(FULL, parse_method(label), rate, "pre.pt", "out.json")
@@ -173,6 +191,12 @@ def test_job_command_lines(monkeypatch, tmp_path):
     assert mpi[0] == f"{venv}/mpirun" and "--oversubscribe" in mpi and "torchrun" not in str(mpi)
     assert mpi[-len(train) - 6:] == train + ["--method", "pactrain", "--ratio", "0.8",
                                              "--topk-ratio", "0.01"]
+    # error feedback off and the from-scratch GraSP workload reach the training job
+    argv, _, _ = job_command({**FULL, "prune_method": "grasp", "train_args": ["--bias-probe"]},
+                             parse_method("pactrain-ternary-0.8-noef"), "none", "p.pt", "o.json")
+    assert argv[argv.index("--prune-method") + 1] == "grasp" and "--bias-probe" in argv
+    assert argv[argv.index("--method"):] == ["--method", "pactrain-ternary", "--ratio", "0.8",
+                                             "--no-error-feedback", "--topk-ratio", "0.01"]
 
 
 def test_add_tta_against_ddp_default_and_without_dense_fp32():
@@ -282,9 +306,104 @@ def test_quick_ddp_rows_under_torchrun(tmp_path, cache_dir, capsys):
         assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# --- calibration refusal -------------------------------------------------------------------
+# --- node test bed ------------------------------------------------------------------------
+
+def test_node_jobs_run_mpirun_from_node_0_with_the_dataset(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # dry runs need no root
+    cfg = {**FULL, "dataset": "digits32", "model": "resnet18", "nodes": 2, "topology": "star"}
+    argv, ranks, options = job_command(cfg, parse_method("pactrain-0.8"), "100mbit", "p.pt",
+                                       "o.json")
+    assert options == {"link": "100mbit", "oversubscribe": True, "torchrun": False,
+                       "nodes": 2, "topology": "star"}
+    assert argv[argv.index("--dataset") + 1] == "digits32"
+    assert argv[argv.index("--model") + 1] == "resnet18"
+    result = run_command(argv, ranks, **options, dry_run=True)
+    cmd = result.command
+    assert cmd[:3] == ["ip", "netns", "exec"] and cmd[3].endswith("-n0")  # mpirun on node0
+    assert "plm_rsh_agent" in cmd and cmd[cmd.index("-n") + 1] == "4"
+    assert result.notes[0] == "2 nodes x 2 ranks, star topology at 100.0 Mbit/s per link"
+    assert [node["host"] for node in result.nodes] == ["node0", "node1"]
+    # without nodes nothing changes: the one shared link
+    _, _, plain = job_command(FULL, parse_method("pactrain-0.8"), "100mbit", "p.pt", "o.json")
+    assert "nodes" not in plain
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nodes=3), "--ranks 4 is not a multiple of --nodes 3"),
+    (dict(nodes=1), "--nodes must be an integer >= 2, got 1"),
+    (dict(nodes=2, rates=("100mbit", "none")), "rate 'none'"),
+    (dict(nodes=2, sweep_rate="none"), "rate 'none'"),
+    (dict(nodes=2, labels=("dense-fp32", "ddp-dense")), r"\['ddp-dense'\] run under torchrun"),
+    (dict(nodes=None, topology="star"), "--topology star applies to --nodes K"),
+])
+def test_node_options_are_refused_with_the_bad_value(kwargs, message):
+    args = {"nodes": 2, "topology": None, "ranks": 4, "rates": ("100mbit",), "sweep_rate": None,
+            "labels": ("dense-fp32",), **kwargs}
+    specs = [parse_method(label) for label in args.pop("labels")]
+    with pytest.raises(ValueError, match=message):
+        check_nodes(**args, specs=specs)
+
+
+def test_node_options_reach_the_command_line_errors(capsys):
+    for argv, message in [(["--nodes", "3"], "--ranks 4 is not a multiple of --nodes 3"),
+                          (["--nodes", "2", "--rates", "100mbit", "--no-sweep", "--methods",
+                            "dense-fp32,ddp"], "under torchrun"),
+                          (["--nodes", "2", "--rates", "none"], "rate 'none'")]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    # an unshaped sweep is fine when there is no sweep
+    check_nodes(2, "shared", 4, ("100mbit",), None, [parse_method("topk-1%")])
+
+
+def test_table_header_names_nodes_and_topology():
+    runs = {"dense-fp32": {"final_accuracy": 0.9, "curve": _curve([(1, 1, 0.9)]),
+                           "throughput": {"mean": 10.0, "ci95_low": 9.0, "ci95_high": 11.0},
+                           "step_seconds": dict.fromkeys(("seconds", "compute", "pack", "comm",
+                                                          "unpack"), 0.1),
+                           "bytes_per_step": 100, "dense_fallbacks": 0}}
+    report = {"config": {"ranks": 4, "nodes": 2, "topology": "star", "target_fraction": 0.98,
+                         "seeds": [0]},
+              "rates": {"100mbit": {"status": "ok", "calibration": [], "failed": {},
+                                    "runs": runs}}}
+    derive(report, 0.98)
+    assert "== link 100mbit (4 ranks on 2 nodes, star topology) ==" in format_table(report)
+    report["config"]["nodes"] = None
+    assert "== link 100mbit (4 ranks) ==" in format_table(report)
+
 
 _SKIP = netns_skip_reason()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+def test_quick_run_on_two_nodes(tmp_path, cache_dir, capsys):
+    """2 nodes x 1 rank at 100 Mbit/s star: every job calibrated per node link, the node
+    configuration recorded and printed."""
+    out = tmp_path / "results"
+    code = main(["--quick", "--rates", "100mbit", "--nodes", "2", "--methods",
+                 "dense-fp32,pactrain-ternary-0.8", "--no-sweep", "--no-plots", "--out-dir",
+                 str(out), "--cache-dir", str(cache_dir), *TINY[:2], "--epochs", "1",
+                 *TINY[4:]])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads((out / "bench_train.json").read_text())
+    assert report["config"]["nodes"] == 2 and report["config"]["topology"] == "star"
+    assert any("Node test bed" in note for note in report["notes"])
+    block = report["rates"]["100mbit"]
+    assert set(block["runs"]) == {"dense-fp32", "pactrain-ternary-0.8"}
+    assert len(block["calibration"]) == 2  # one per job
+    for calibration in block["calibration"]:
+        assert calibration["topology"] == "star" and calibration["n"] == 2
+        assert abs(calibration["ratio"] - 1) <= 0.15
+    runs = block["runs"]
+    assert runs["pactrain-ternary-0.8"]["bytes_per_step"] < runs["dense-fp32"]["bytes_per_step"]
+    assert "== link 100mbit (2 ranks on 2 nodes, star topology) ==" in printed
+
+
+# --- calibration refusal -------------------------------------------------------------------
 
 
 @pytest.mark.mpi
@@ -308,3 +427,130 @@ def test_failed_calibration_refuses_the_rate(tmp_path, cache_dir, capsys):
     assert calibration["nominal_bps"] == 100_000_000 and calibration["tolerance"] == 0.0
     assert math.isfinite(calibration["ratio"]) and calibration["ratio"] != 1.0
     assert report["ratio_sweep"] is None and report["plots"] == {}
+
+
+# --- repeats over seeds --------------------------------------------------------------------
+
+def _seed_runs(points_by_seed):
+    """``{seed: {label: (final, [(wall, accuracy), ...])}}`` -> ``seed_runs`` blocks."""
+    def run(label, seed, final, points):
+        return {"label": label, "seed": seed, "final_accuracy": final, "best_accuracy": final,
+                "bytes_per_step": 100.0, "throughput": {"mean": 10.0 + seed},
+                "curve": _curve([(w, w, a) for w, a in points])}
+    return {str(seed): {"none": {"status": "ok", "error": None, "calibration": [], "failed": {},
+                                 "runs": {label: run(label, seed, *value)
+                                          for label, value in methods.items()}}}
+            for seed, methods in points_by_seed.items()}
+
+
+def _report(seed_runs):
+    return {"config": {"seeds": sorted(map(int, seed_runs)), "methods": ["dense-fp32", "pt"],
+                       "rates": ["none"], "target_fraction": 0.98, "seed": 0, "ranks": 4,
+                       "epochs": 2},
+            "seed_runs": seed_runs, "rates": seed_runs[min(seed_runs, key=int)],
+            "created": "x"}
+
+
+def test_repeats_median_range_and_ties_per_seed_targets():
+    report = _report(_seed_runs({
+        0: {"dense-fp32": (0.98, [(40, 0.95), (80, 0.98)]), "pt": (0.97, [(10, 0.97)])},
+        1: {"dense-fp32": (0.98, [(50, 0.98)]), "pt": (0.97, [(5, 0.90), (30, 0.97)])},
+        2: {"dense-fp32": (0.99, [(60, 0.99)]), "pt": (0.96, [(20, 0.96)])},  # target 0.9702
+    }))
+    derive(report, 0.98)
+    dense, pt = report["repeats"]["none"]["dense-fp32"], report["repeats"]["none"]["pt"]
+    assert dense["seeds"] == pt["seeds"] == ["0", "1", "2"]
+    assert dense["tta_seconds"] == {"values": [80, 50, 60], "n": 3, "median": 60, "min": 50,
+                                    "max": 80}
+    # seed 2 never reached its own target: kept in values, out of the statistics
+    assert pt["tta_seconds"] == {"values": [10, 30, None], "n": 2, "median": 20, "min": 10,
+                                 "max": 30}
+    assert pt["reached"] == 2 and dense["reached"] == 3
+    assert pt["speedup_vs_dense_fp32"]["values"] == [8.0, pytest.approx(50 / 30), None]
+    assert pt["final_accuracy"]["median"] == 0.97 and pt["final_accuracy"]["min"] == 0.96
+    assert dense["samples_per_second"]["values"] == [10.0, 11.0, 12.0]
+    # [10, 30] s against [50, 80] s: no overlap, no tie; accuracy [0.96, 0.97] vs [0.98, 0.99]
+    assert pt["tta_ties"] == [] and dense["tta_ties"] == [] and pt["accuracy_ties"] == []
+    report["seed_runs"]["1"]["none"]["runs"]["pt"]["curve"] = _curve([(55, 55, 0.97)])
+    derive(report, 0.98)
+    assert report["repeats"]["none"]["pt"]["tta_ties"] == ["dense-fp32"]
+    assert report["repeats"]["none"]["dense-fp32"]["tta_ties"] == ["pt"]
+
+
+def test_spread_and_overlap_edges():
+    assert spread([None, None]) == {"values": [None, None], "n": 0, "median": None,
+                                    "min": None, "max": None}
+    assert spread([3.0])["median"] == 3.0
+    assert overlap(spread([1, 2]), spread([2, 3])) and not overlap(spread([1, 2]), spread([3]))
+    assert not overlap(spread([None]), spread([1]))
+
+
+def test_merge_joins_seeds_and_refuses_duplicates_and_other_workloads():
+    a = _report(_seed_runs({0: {"dense-fp32": (0.98, [(40, 0.98)])}}))
+    b = _report(_seed_runs({1: {"dense-fp32": (0.97, [(45, 0.97)])}}))
+    c = _report(_seed_runs({1: {"pt": (0.96, [(5, 0.96)])}}))
+    merged = derive(merge_reports([a, b, c]), 0.98)
+    assert merged["config"]["seeds"] == [0, 1]
+    assert set(merged["seed_runs"]["1"]["none"]["runs"]) == {"dense-fp32", "pt"}
+    assert merged["repeats"]["none"]["dense-fp32"]["tta_seconds"]["values"] == [40, 45]
+    assert merged["repeats"]["none"]["pt"]["seeds"] == ["1"]
+    with pytest.raises(ValueError, match="ran in two reports"):
+        merge_reports([a, a])
+    other = _report(_seed_runs({2: {"dense-fp32": (0.98, [(40, 0.98)])}}))
+    other["config"]["epochs"] = 5
+    with pytest.raises(ValueError, match="workload differs in \\['epochs'\\]"):
+        merge_reports([a, other])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_seeds_keep_every_run_and_report_median_and_range(tmp_path, cache_dir, capsys):
+    out = tmp_path / "results"
+    code = main(["--quick", "--methods", "dense-fp32,terngrad", "--no-sweep", "--seeds", "0,1",
+                 "--out-dir", str(out), "--cache-dir", str(cache_dir), *TINY])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads((out / "bench_train.json").read_text())
+    assert report["config"]["seeds"] == [0, 1] and set(report["seed_runs"]) == {"0", "1"}
+    finals = {}
+    for seed, rates in report["seed_runs"].items():
+        runs = rates["none"]["runs"]
+        assert set(runs) == {"dense-fp32", "terngrad"}
+        assert all(run["seed"] == int(seed) for run in runs.values())
+        finals[seed] = runs["terngrad"]["final_accuracy"]
+        assert runs["terngrad"]["bytes_per_step"] < 0.1 * runs["dense-fp32"]["bytes_per_step"]
+    row = report["repeats"]["none"]["terngrad"]
+    assert row["final_accuracy"]["values"] == [finals["0"], finals["1"]]
+    assert row["final_accuracy"]["median"] == pytest.approx((finals["0"] + finals["1"]) / 2)
+    assert row["final_accuracy"]["min"] == min(finals.values())
+    assert "median [min, max] over seeds [0, 1]" in printed
+    assert "tta_repeats" in report["plots"]
+
+
+def test_bias_table_separates_error_and_says_whether_error_feedback_matters():
+    from pacmpi.adapters.bench_bias import bias_table, format_bias
+
+    def bias(relative, p99):
+        return {"median_relative_error": relative, "median_p99_abs_error": p99,
+                "median_mean_abs_exact": 0.5, "bias_mean_abs": relative / 10,
+                "bias_p99_abs": p99 / 10}
+    seed_runs = _seed_runs({s: {"pt-t": (0.95 + s / 100, [(1, 0.9)]),
+                                "pt-t-noef": (0.96, [(1, 0.9)]),
+                                "lossless": (0.97, [(1, 0.9)])} for s in (0, 1, 2)})
+    for seed, rates in seed_runs.items():
+        runs = rates["none"]["runs"]
+        runs["pt-t"]["bias"] = bias(2.0 + int(seed), 1.0)
+        runs["pt-t-noef"]["bias"] = bias(1.0, 0.5)
+        runs["lossless"]["bias"] = bias(0.0, 0.0)
+    table = bias_table({"seed_runs": seed_runs})
+    assert table["pt-t"]["median_relative_error"] == spread([2.0, 3.0, 4.0])
+    assert table["pt-t"]["p99_relative_error"]["median"] == 2.0  # 1.0 / 0.5
+    assert table["pt-t"]["final_accuracy"]["values"] == [0.95, 0.96, 0.97]
+    # [0.95, 0.97] overlaps [0.96, 0.96]: error feedback does not change accuracy (a tie)
+    assert table["pt-t"]["ef_changes_accuracy"] is False
+    assert table["pt-t-noef"]["ef_changes_accuracy"] is False
+    assert "ef_changes_accuracy" not in table["lossless"]
+    for runs in (r["none"]["runs"] for r in seed_runs.values()):
+        runs["pt-t-noef"]["final_accuracy"] = 0.90  # negative control: clearly apart
+    assert bias_table({"seed_runs": seed_runs})["pt-t"]["ef_changes_accuracy"] is True
+    assert "no (tie)" in format_bias(table)

@@ -1,6 +1,9 @@
 """Tests for pacmpi.adapters.data and pacmpi.adapters.models."""
 import importlib.util
+import json
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,10 +15,13 @@ from pacmpi.adapters.data import (
     CIFAR10_BATCHES,
     iterate_minibatches,
     load_cifar10,
+    load_digits32_split,
     load_digits_split,
     shard,
 )
-from pacmpi.adapters.models import MODELS, CifarCNN, DigitsCNN, MLP, build_model, count_parameters
+from pacmpi.adapters.models import (MODELS, CifarCNN, DigitsCNN, MLP, ResNet18, build_model,
+                                    count_parameters)
+from pacmpi.adapters.pruning import named_prunable_parameters, prune
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,6 +57,34 @@ def test_digits_split_is_stratified_and_deterministic(digits):
 def test_digits_split_rejects_bad_fraction(fraction):
     with pytest.raises(ValueError, match=repr(fraction)):
         load_digits_split(test_fraction=fraction)
+
+
+def test_digits32_is_the_same_split_upscaled(digits):
+    up = load_digits32_split()
+    assert up.x_train.shape == (len(digits.x_train), 1, 32, 32)
+    assert up.x_test.shape == (len(digits.x_test), 1, 32, 32)
+    assert up.x_train.dtype == torch.float32 and up.x_train.is_contiguous()
+    assert torch.equal(up.y_train, digits.y_train) and torch.equal(up.y_test, digits.y_test)
+    assert set(up.y_train.tolist()) == set(range(10))
+    # bilinear: convex combinations of the 8x8 pixels, so the range stays [0, 1] ...
+    assert up.x_train.min() >= 0.0 and up.x_train.max() <= 1.0
+    # ... and equal to bilinear interpolation written out: up = W x W^T, where output row i
+    # samples source coordinate (i + 0.5) / 4 - 0.5 (half-pixel centres, clamped at the edges).
+    weights = np.zeros((32, 8))
+    for i in range(32):
+        src = max((i + 0.5) / 4 - 0.5, 0.0)
+        lo = int(np.floor(src))
+        hi, frac = min(lo + 1, 7), src - lo
+        weights[i, lo] += 1 - frac
+        weights[i, hi] += frac
+    for k in (0, 7, len(digits.x_test) - 1):
+        expected = weights @ digits.x_test[k, 0].double().numpy() @ weights.T
+        assert np.allclose(up.x_test[k, 0].numpy(), expected, atol=1e-6)
+    # deterministic, and the seed picks the same split as the 8x8 loader's
+    assert all(torch.equal(a, b) for a, b in zip(up, load_digits32_split()))
+    assert torch.equal(load_digits32_split(seed=1).y_test, load_digits_split(seed=1).y_test)
+    with pytest.raises(ValueError, match="1.5"):
+        load_digits32_split(test_fraction=1.5)
 
 
 # ---------------------------------------------------------------- shard
@@ -169,12 +203,14 @@ def test_cifar_rejects_unknown_backend(tmp_path):
         ("mlp", {"in_features": 64, "hidden": (16, 8)}, (5, 1, 8, 8)),
         ("mlp", {"in_features": 64, "hidden": ()}, (5, 64)),
         ("cifar_cnn", {"width": 4}, (5, 3, 32, 32)),
+        ("resnet18", {"width": 4}, (5, 3, 32, 32)),
+        ("resnet18", {"width": 4, "in_channels": 1, "num_classes": 7}, (5, 1, 32, 32)),
     ],
 )
 def test_build_model_forward_shapes(name, kwargs, shape):
     model = build_model(name, **kwargs)
     assert isinstance(model, MODELS[name])
-    assert model(torch.randn(shape)).shape == (5, 10)
+    assert model(torch.randn(shape)).shape == (5, kwargs.get("num_classes", 10))
 
 
 def test_build_model_unknown_name_lists_choices():
@@ -193,6 +229,47 @@ def test_count_parameters_and_deterministic_init():
         torch.manual_seed(7)
         b = cls()
         assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_resnet18_parameter_count_structure_and_pruning():
+    # The usual CIFAR ResNet-18 (3x3 stem, BasicBlocks [2, 2, 2, 2], widths 64..512): 11.17 M.
+    assert count_parameters(ResNet18()) == 11_173_962
+    # Convolutions scale with width**2: width 32 on 1-channel digits is the benchmark's size.
+    model = ResNet18(width=32, in_channels=1)
+    assert count_parameters(model) == 2_797_034
+    blocks = [m for m in model.modules() if type(m).__name__ == "BasicBlock"]
+    assert len(blocks) == 8
+    assert [m.out_channels for m in model.modules() if isinstance(m, torch.nn.Conv2d)
+            and m.kernel_size == (1, 1)] == [64, 128, 256]  # one projection per new stage
+    bn = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bn) == 1 + 8 * 2 + 3
+    # Pruning leaves BatchNorm affines (and the fc bias) dense: only conv and fc weights.
+    prunable = named_prunable_parameters(model)
+    assert all(name.endswith("weight") and p.dim() > 1 for name, p in prunable.items())
+    assert not any(p is m.weight for m in bn for p in prunable.values())
+    masks = prune(model, 0.8)
+    kept = sum(int(m.sum()) for m in masks.values())
+    total = sum(m.numel() for m in masks.values())
+    assert kept == total - round(0.8 * total)
+    assert all(torch.all(m.weight != 0) for m in bn if m.weight is not None)
+    with pytest.raises(ValueError, match="width must be a positive int, got 0"):
+        ResNet18(width=0)
+
+
+def test_training_job_runs_resnet18_on_digits32(tmp_path):
+    """``pacmpi train --dataset digits32`` defaults to the ResNet-18 with one input channel and
+    takes real PacTrain steps with it (one process: an MPI singleton)."""
+    out = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, "-m", "pacmpi.adapters.train", "--dataset", "digits32",
+                           "--width", "4", "--pretrain-epochs", "0", "--epochs", "1",
+                           "--max-steps", "2", "--ratio", "0.5", "--no-progress", "--json",
+                           str(out)], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["model"] == "resnet18"
+    assert result["parameters"] == count_parameters(ResNet18(width=4, in_channels=1))
+    assert len(result["steps"]) == 2 and result["summary"]["packed_reductions"] > 0
+    assert result["density"] < 0.6  # pruned: conv and fc weights at half, BN and biases dense
 
 
 def test_digits_cnn_learns_real_digits(digits):

@@ -97,6 +97,18 @@ def test_cli_names_an_unknown_model():
     assert done.returncode == 2 and "ranks must be an integer >= 1, got 0" in done.stderr
 
 
+def test_predict_outside_the_repository_says_it_is_uncalibrated(tmp_path):
+    cli = [sys.executable, "-m", "pacmpi.cli", "model", "predict", "--ranks", "8", "--link",
+           "1gbit", "--model", "bert-base"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "no results/costmodel_fit.json here, using the uncalibrated model" in done.stderr
+    assert "s per step" in done.stdout
+    done = subprocess.run(cli + ["--fit", "missing.json"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "cannot read --fit 'missing.json'" in done.stderr
+
+
 def test_rates_parse_in_tc_units():
     assert parse_rate("100mbit") == 12.5e6
     assert parse_rate("1gbit") == GBIT
