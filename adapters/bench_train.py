@@ -409,8 +409,11 @@ def merge_reports(reports):
     workload = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
                 "pretrain_epochs", "prune_method", "baseline_ratio", "dataset", "nodes",
                 "topology")
+    # Reports written before a workload key existed ran its default.
+    before = {"dataset": "digits"}
     for other in reports[1:]:
-        differ = [k for k in workload if other["config"].get(k) != merged["config"].get(k)]
+        differ = [k for k in workload if other["config"].get(k, before.get(k))
+                  != merged["config"].get(k, before.get(k))]
         if differ:
             raise ValueError(f"cannot merge runs whose workload differs in {differ}")
         for seed, rates in _seed_runs(other).items():

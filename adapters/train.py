@@ -29,6 +29,7 @@ All methods fine-tune the *same pruned model*: ``--method dense`` is the plain a
 baseline, so its accuracy is what PacTrain (lossless) must match.
 """
 import argparse
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -296,6 +297,18 @@ def _horovod():
     return hvd, adapter
 
 
+def _close_process_group():
+    """At a normal exit, the gloo group this module opened: left to the interpreter's exit,
+    or torn down while a peer still talks to it, it may abort a finished rank ("terminate
+    called without an active exception"). So every rank arrives first, then it is destroyed.
+    After an unhandled exception it is left alone: the peers may never arrive."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def collectives_for(backend, watchdog=None):
     """The transport every collective of the job runs on: for ``"mpi"`` an
     :class:`pacmpi.MPICollectives` on a duplicate of ``COMM_WORLD`` (watched by a
@@ -317,6 +330,7 @@ def collectives_for(backend, watchdog=None):
                 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                                   MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
             dist.init_process_group("gloo")
+            atexit.register(_close_process_group)
         return TorchDistCollectives()
     if backend == "mpi":
         if not watchdog:
@@ -415,7 +429,13 @@ class _DDPSync(_FrameworkSync):
 
         super().__init__(cfg, model, masks)
         self.state, self.powersgd = None, None
-        self.ddp = DistributedDataParallel(model)
+        bucket_cap_mb = None
+        if cfg.method == "powersgd" and torch.distributed.get_backend() == "gloo":
+            # powerSGD_hook waits on futures inside callbacks that run on gloo's worker
+            # threads: with two buckets in flight it deadlocks, so one bucket holds the model.
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            bucket_cap_mb = max(25, -(-model_bytes // (1 << 20)) + 1)
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         if cfg.method.startswith("pactrain"):
             self.state = PacTrainHookState(
                 self.ddp, masks, quantize="ternary" if cfg.method == "pactrain-ternary" else None,
@@ -780,12 +800,6 @@ def main(argv=None):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-    if cfg.backend == "ddp":
-        # A gloo process group left to the interpreter's exit may abort the process in its
-        # destructor ("terminate called without an active exception"), failing a finished run.
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
     return 0
 
 

@@ -500,6 +500,14 @@ def test_merge_joins_seeds_and_refuses_duplicates_and_other_workloads():
     other["config"]["epochs"] = 5
     with pytest.raises(ValueError, match="workload differs in \\['epochs'\\]"):
         merge_reports([a, other])
+    # A report from before --dataset existed ran the digits; it merges with digits, not others.
+    old = _report(_seed_runs({3: {"dense-fp32": (0.98, [(40, 0.98)])}}))
+    old["config"].pop("dataset", None)
+    a["config"]["dataset"] = "digits"
+    assert merge_reports([a, old])["config"]["seeds"] == [0, 3]
+    a["config"]["dataset"] = "digits32"
+    with pytest.raises(ValueError, match="workload differs in \\['dataset'\\]"):
+        merge_reports([a, old])
 
 
 @pytest.mark.mpi
