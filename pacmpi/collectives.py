@@ -137,8 +137,11 @@ def _build_numba_half_kernels(hardware=None):
     from numba import carray, cfunc, njit, types
     from numba.extending import intrinsic
 
+    from .kernels.cpu import _float_to_half_hardware as f32_to_half_hw
+    from .kernels.cpu import _half_to_float_hardware as half_to_f32_hw
+    from .kernels.cpu import hardware_half_conversions
+
     if hardware is None:
-        from .kernels.cpu import hardware_half_conversions
         hardware = hardware_half_conversions()
     u32 = np.uint32
 
@@ -153,18 +156,6 @@ def _build_numba_half_kernels(hardware=None):
         def codegen(context, builder, sig, args):
             return builder.bitcast(args[0], ir.IntType(32))
         return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def half_to_f32_hw(typingctx, bits):
-        def codegen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-        return types.float32(types.uint16), codegen
-
-    @intrinsic
-    def f32_to_half_hw(typingctx, value):
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-        return types.uint16(types.float32), codegen
 
     @njit(inline="always")
     def half_to_f32_bits(h):
