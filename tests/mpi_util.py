@@ -107,3 +107,12 @@ def assert_mismatch_reported(result, n, parameter):
                          rf"at step 2; offending ranks: \[{n - 1}\]", result.stdout), text
     assert f"rank {n - 1} on " in result.stdout, text
     assert f"masks differ from rank 0's for [{parameter!r}]" in result.stdout, text
+
+
+def assert_scenarios_passed(result, ranks, scenarios):
+    """The job ended 0 and every rank printed ``OK <scenario> ...`` for every scenario."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    for name in scenarios:
+        passed = sum(line.startswith(f"OK {name} ") for line in result.stdout.splitlines())
+        assert passed == ranks, f"scenario {name}: {passed}/{ranks} ranks passed\n{output}"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpi_util import run_mpi  # tests/ is put on sys.path by conftest.py
+from mpi_util import assert_scenarios_passed, run_mpi  # tests/ is put on sys.path by conftest.py
 from pacmpi.adapters.baselines import (DGCSync, TernGradSync, make_baseline, pack_codes,
                                        sparsify, unpack_codes)
 from pacmpi.adapters.models import DigitsCNN
@@ -61,8 +61,4 @@ def test_dgc_keeps_at_least_one_value_per_layer():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_baseline_invariants_under_mpi(ranks):
     result = run_mpi("baselines_scenarios.py", ranks, *SCENARIOS, timeout=180)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    for name in SCENARIOS:
-        passed = sum(line.startswith(f"OK {name} ") for line in result.stdout.splitlines())
-        assert passed == ranks, f"scenario {name}: {passed}/{ranks} ranks passed\n{output}"
+    assert_scenarios_passed(result, ranks, SCENARIOS)

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mpi_util import MPI_SCRIPTS, netns_skip_reason, run_bounded, run_mpi
+from mpi_util import (MPI_SCRIPTS, assert_scenarios_passed, netns_skip_reason, run_bounded,
+                      run_mpi)
 from pacmpi import PacTrainReducer
 from pacmpi.hierarchy import hierarchical_wire_bits
 
@@ -23,20 +24,12 @@ RUNS = [
 _NO_TESTBED = netns_skip_reason()
 
 
-def assert_passed(result, ranks, scenarios):
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    for name in scenarios:
-        passed = sum(line.startswith(f"OK {name} ") for line in result.stdout.splitlines())
-        assert passed == ranks, f"scenario {name}: {passed}/{ranks} ranks passed\n{output}"
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks, per_node, scenarios", RUNS,
                          ids=[f"{n}ranks-{p}pernode" for n, p, _ in RUNS])
 def test_hierarchical_scenarios(ranks, per_node, scenarios):
     result = run_mpi("hierarchical_scenarios.py", ranks, per_node, *scenarios, timeout=180)
-    assert_passed(result, ranks, scenarios)
+    assert_scenarios_passed(result, ranks, scenarios)
 
 
 @pytest.mark.mpi
@@ -54,7 +47,7 @@ def test_two_nodes_of_two_ranks_on_the_node_test_bed():
                                                     *scenarios], tag_output=False)
         result = run_bounded(argv, timeout=150, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                              what="hierarchical_scenarios.py on 2 nodes x 2 ranks")
-    assert_passed(result, 4, scenarios)
+    assert_scenarios_passed(result, 4, scenarios)
 
 
 def test_ternary_digits_grow_with_nodes_not_ranks():
