@@ -128,9 +128,10 @@ def build_mpirun_command(flavor, n, argv, *, oversubscribe=False, allow_root=Non
 
     Knobs:
       ``oversubscribe``   allow more ranks than cores (Open MPI refuses otherwise); also sets
-                          ``mpi_yield_when_idle 1`` so that ranks waiting in a collective give
-                          their core to the rank still computing (measured on the 1 Gbit/s test
-                          bed, 4 ranks on 2 cores: ternary codec+verify 731 -> 136 ms).
+                          ``mpi_yield_when_idle 1``, Open MPI's advice for oversubscribed
+                          nodes: ranks waiting in a collective yield their core to the rank
+                          still computing (on the 2-core test bed, 4 ranks, it made no
+                          difference beyond run-to-run noise).
       ``allow_root``      add Open MPI's root flag; ``None`` means "when ``os.geteuid() == 0``".
       ``env_forward``     entries ``NAME`` (forward the launcher's value) or ``NAME=VALUE``
                           (set it), for every rank on every node.
