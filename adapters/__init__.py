@@ -1,16 +1,16 @@
-"""pacmpi.adapters: PacTrain for PyTorch training scripts.
+"""pacmpi.adapters: PacTrain inside PyTorch training scripts.
 
+- :mod:`.ddp`: ``pactrain_hook`` and ``PacTrainHookState`` for ``DistributedDataParallel``.
+- :mod:`.horovod`: ``PacTrainCompressor`` for ``hvd.DistributedOptimizer(compression=...)``.
+- :mod:`.torch_sync`: ``PacTrainSync`` for raw PyTorch loops over mpi4py, and the broadcasts
+  that start such a loop.
 - :mod:`.pruning`: ``prune`` (magnitude, GraSP), ``GradualPruningSchedule``, ``MaskEnforcer``
   (gradient sparsity enforcement) and ``torch.nn.utils.prune`` interop.
-- :mod:`.torch_sync`: ``PacTrainSync`` for raw PyTorch loops over mpi4py (hooks launch packed
-  buckets during backward), ``broadcast_parameters``, the TopK baseline.
 - :mod:`.checkpoint`: atomic, resumable checkpoints of weights, masks and reducer state.
-- :mod:`.horovod`: ``PacTrainCompressor`` for ``hvd.DistributedOptimizer(compression=...)``.
-- :mod:`.train`: the fine-tuning job behind ``pacmpi train``.
-- :mod:`.data`, :mod:`.models`: offline datasets (scikit-learn digits, CIFAR-10 on disk) and
-  small models.
+- :mod:`.convert`: zero-copy tensor <-> NumPy/CuPy conversion.
 
 Submodules are imported on demand so ``import pacmpi.adapters`` stays cheap and Horovod is
-only loaded by the code that uses it.
+only loaded by the code that uses it. The training job, benchmarks and baselines live in
+:mod:`pacmpi.experiments`.
 """
-__all__ = ["pruning", "torch_sync", "checkpoint", "horovod", "train", "data", "models"]
+__all__ = ["ddp", "horovod", "torch_sync", "pruning", "checkpoint", "convert"]

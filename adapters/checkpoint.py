@@ -32,7 +32,7 @@ import torch
 from pacmpi import MPICollectives
 from pacmpi.verify import raise_together
 
-__all__ = ["atomic_save", "load_checkpoint", "rank_file", "save_checkpoint"]
+__all__ = ["atomic_save", "load_checkpoint", "save_checkpoint"]
 
 
 def rank_file(path, tag, rank):

@@ -27,9 +27,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
-from pacmpi.adapters.torch_sync import as_array, as_tensor, numpy_dtype
 from pacmpi.engine import BucketSpec, StepEngine
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.verify import raise_together, run_together
@@ -49,8 +49,9 @@ class PacTrainHookState:
     """State of :func:`pactrain_hook` for one DDP model (the DDP module or the one it wraps).
 
     ``masks``: parameter name (``torch.nn.utils.prune``'s logical names work too) -> bool or
-    0/1 mask of its shape, re-read at every verification; ``quantize``: ``None`` or
-    ``"ternary"``; ``average`` as DDP's default hook; other options as
+    0/1 mask of its shape, re-read at every verification; ``quantize``: one of
+    :data:`pacmpi.QUANTIZE_MODES` (``None``, ``"fp16"``, ``"ternary"``); ``average`` as DDP's
+    default hook; other options as
     :class:`pacmpi.PacTrainReducer`'s. Construction is collective (bad input: RankInputError on
     every rank). Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks
     first). Pickling drops the process group and the model: :meth:`bind` the new model.
@@ -63,8 +64,6 @@ class PacTrainHookState:
                                                                             None, None)
         self._lock, error = threading.Lock(), None
         try:  # collectives are made after _bind, on the model's device
-            if quantize not in (None, "ternary"):
-                raise ValueError(f"quantize must be None or 'ternary', got {quantize!r}")
             self._bind(model, masks)
             self.engine = StepEngine(
                 self.collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel()) for n, p in
@@ -166,7 +165,7 @@ class PacTrainHookState:
         if any(ctx.kind != "dense" for _, ctx, _ in encoded):
             payloads, parts, groups = [], [], {}
             for wire, ctx, view in encoded:
-                ctx.kind = "float" if ctx.kind == "dense" else ctx.kind  # sent as a copy
+                ctx.kind = "copy" if ctx.kind == "dense" else ctx.kind  # sent in the cat
                 groups.setdefault(wire.dtype, []).append((wire, ctx, view))
             for items in groups.values():
                 payloads.append(torch.cat([as_tensor(wire) for wire, _, _ in items]))

@@ -21,20 +21,18 @@ import warnings
 
 import torch
 
+from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
 from pacmpi.adapters.horovod_collectives import HorovodCollectives
 from pacmpi.adapters.masks import MaskBinding
-from pacmpi.adapters.torch_sync import as_array, as_tensor, numpy_dtype
 from pacmpi.engine import BucketSpec, StepEngine
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.verify import raise_together, run_together
 
 __all__ = ["HorovodCollectives", "PacTrainCompressor"]
 
-# Horovod-facing counter names -> the engine's (timings are left out: they differ run to run).
-_STATS = dict(steps="steps", verifications="verifications", packed_tensors="packed_reductions",
-              dense_tensors="dense_reductions", dense_fallbacks="dense_fallbacks",
-              nonfinite_fallbacks="nonfinite_fallbacks", abandoned_steps="abandoned_steps",
-              bytes_sent="bytes_sent", dense_bytes_equivalent="dense_bytes_equivalent")
+# The engine's counters that stats shows (timings are left out: they differ run to run).
+_STATS = ("steps", "verifications", "packed_reductions", "dense_reductions", "dense_fallbacks",
+          "nonfinite_fallbacks", "abandoned_steps", "bytes_sent", "dense_bytes_equivalent")
 
 
 class PacTrainCompressor:
@@ -55,7 +53,8 @@ class PacTrainCompressor:
         ``fc.weight_orig``). Re-read at every verification (in-place changes are seen);
         :meth:`set_masks` replaces the mapping. Unlisted parameters are not pruned.
     quantize:
-        ``None`` (lossless) or ``"ternary"`` (requires ``op=hvd.Sum``).
+        One of :data:`pacmpi.QUANTIZE_MODES`: ``None`` (lossless), ``"fp16"`` (survivors as
+        float16) or ``"ternary"`` (requires ``op=hvd.Sum``).
     average:
         Ternary only: divide the decoded sum by ``hvd.size()`` (in lossless mode Horovod's
         ``op`` decides).
@@ -63,9 +62,10 @@ class PacTrainCompressor:
         As in :class:`pacmpi.PacTrainReducer`.
 
     Pruned coordinates come back as zeros (PacTrain's ``G = mask * G``). ``stats`` counts
-    steps, verifications, packed/dense tensors, abandoned steps and bytes. Checkpoints:
-    :meth:`state_dict` / :meth:`load_state_dict` (restore the masks first). Pickling drops the
-    Horovod transport and keeps the bound parameters by identity: pickle it with its model.
+    steps, verifications, packed/dense reductions (one per tensor), abandoned steps and
+    bytes. Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks
+    first). Pickling drops the Horovod transport and keeps the bound parameters by identity:
+    pickle it with its model.
     """
 
     def __init__(self, model_or_named_parameters, masks, *, quantize=None, average=False,
@@ -79,11 +79,6 @@ class PacTrainCompressor:
             is_module = isinstance(module, torch.nn.Module)
             self._bound = MaskBinding(list(module.named_parameters() if is_module else module),
                                       masks, module if is_module else None)
-            if quantize not in (None, "ternary"):
-                raise ValueError(f"quantize must be one of (None, 'ternary'), got {quantize!r}")
-            if average and quantize != "ternary":
-                raise ValueError("average=True is for quantize='ternary'; in lossless mode "
-                                 "pass op=hvd.Average to Horovod instead")
             self._names, self._params = self._bound.names, self._bound.params
             specs = [BucketSpec(n, numpy_dtype(p.dtype), p.numel())
                      for n, p in zip(self._names, self._params)]
@@ -91,6 +86,9 @@ class PacTrainCompressor:
                 collectives, specs, layout=self._describe(), quantize=quantize,
                 average=average, verify_every=verify_every, stable_steps=stable_steps,
                 error_feedback=error_feedback, seed=seed, word_dtype="int64")
+            if average and quantize != "ternary":  # Horovod's op averages the other payloads
+                raise ValueError(f"average=True is for quantize='ternary', not {quantize!r}: "
+                                 "pass op=hvd.Average to Horovod instead")
         except (TypeError, ValueError) as exc:
             error = exc
         raise_together(collectives, error)
@@ -105,7 +103,7 @@ class PacTrainCompressor:
 
     @property
     def stats(self):
-        return {name: self._engine.stats[key] for name, key in _STATS.items()}
+        return {name: self._engine.stats[name] for name in _STATS}
 
     @property
     def collectives(self):
@@ -163,7 +161,7 @@ class PacTrainCompressor:
         wire, ctx = self._engine.encode(index, as_array(tensor).reshape(-1))
         if ctx.kind == "dense" and self.quantize is None:
             payload = as_tensor(wire)  # the gradient itself, reduced in place
-        elif self.quantize is None:
+        elif self.quantize != "ternary":
             payload = as_tensor(wire).clone()  # the engine's buffer is reused next step
         else:
             payload = torch.cat([as_tensor(wire).reshape(-1),

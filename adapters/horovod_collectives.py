@@ -3,7 +3,7 @@ controller), so pacmpi's engine can verify and agree through Horovod."""
 import itertools
 
 from pacmpi import Collectives
-from pacmpi.adapters.torch_sync import as_tensor
+from pacmpi.adapters.convert import as_tensor
 
 __all__ = ["HorovodCollectives"]
 

@@ -4,8 +4,8 @@ from collections.abc import Mapping
 
 import torch
 
+from pacmpi.adapters.convert import as_array, as_tensor
 from pacmpi.adapters.pruning import named_prunable_parameters
-from pacmpi.adapters.torch_sync import as_array, as_tensor
 
 __all__ = ["MaskBinding"]
 

@@ -42,19 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [
-    "METHODS",
-    "SCOPES",
-    "DensityReport",
-    "GradualPruningSchedule",
-    "MaskEnforcer",
-    "mask_fingerprint",
-    "masks_from_torch_prune",
-    "named_prunable_parameters",
-    "prune",
-]
+__all__ = ["PRUNING_CRITERIA", "DensityReport", "GradualPruningSchedule", "MaskEnforcer",
+           "masks_digest", "masks_from_torch_prune", "named_prunable_parameters", "prune"]
 
-METHODS = ("magnitude", "grasp")
+PRUNING_CRITERIA = ("magnitude", "grasp")  # prune(method=...): what decides which weights go
 SCOPES = ("global", "layer")
 
 #: Name selector: a glob (``fnmatch``), several globs, or ``callable(name, param) -> bool``.
@@ -122,10 +113,15 @@ def _is_prunable_by_default(slot: _Slot) -> bool:
     return slot.param.dim() > 1 and not isinstance(slot.module, _NORM_TYPES)
 
 
-def _prunable_slots(model: nn.Module, include: Selector, exclude: Selector) -> OrderedDict[str, _Slot]:
+def _prunable_slots(
+    model: nn.Module, include: Selector, exclude: Selector
+) -> OrderedDict[str, _Slot]:
     selected: OrderedDict[str, _Slot] = OrderedDict()
     for name, slot in _slots(model).items():
-        chosen = _is_prunable_by_default(slot) if include is None else _matches(include, name, slot.param)
+        if include is None:
+            chosen = _is_prunable_by_default(slot)
+        else:
+            chosen = _matches(include, name, slot.param)
         if chosen and not (exclude is not None and _matches(exclude, name, slot.param)):
             selected[name] = slot
     return selected
@@ -144,7 +140,8 @@ def named_prunable_parameters(
     logical name) or ``callable(name, param) -> bool``. For a module reparametrized by
     ``torch.nn.utils.prune`` the name is ``"fc.weight"`` and the value is ``fc.weight_orig``.
     """
-    return OrderedDict((name, slot.param) for name, slot in _prunable_slots(model, include, exclude).items())
+    slots = _prunable_slots(model, include, exclude)
+    return OrderedDict((name, slot.param) for name, slot in slots.items())
 
 
 def masks_from_torch_prune(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
@@ -190,7 +187,8 @@ def _loss(model, batch, loss_fn, temperature: float) -> torch.Tensor:
 def _mean_gradient(model, params, batches, loss_fn, temperature) -> list:
     total = [torch.zeros_like(p) for p in params]
     for batch in batches:
-        grads = torch.autograd.grad(_loss(model, batch, loss_fn, temperature), params, allow_unused=True)
+        grads = torch.autograd.grad(_loss(model, batch, loss_fn, temperature), params,
+                                    allow_unused=True)
         for acc, grad in zip(total, grads):
             if grad is not None:
                 acc.add_(grad)
@@ -257,14 +255,17 @@ def _keep_mask(priority: torch.Tensor, ratio: float) -> torch.Tensor:
     return keep.view_as(priority)
 
 
-def _select(priorities: Mapping[str, torch.Tensor], ratio: float, scope: str) -> OrderedDict[str, torch.Tensor]:
+def _select(
+    priorities: Mapping[str, torch.Tensor], ratio: float, scope: str
+) -> OrderedDict[str, torch.Tensor]:
     if scope == "layer":
         return OrderedDict((name, _keep_mask(p, ratio)) for name, p in priorities.items())
     device = next(iter(priorities.values())).device
     flat = torch.cat([p.flatten().to(device) for p in priorities.values()])
     keep = _keep_mask(flat, ratio)
     masks: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for (name, p), chunk in zip(priorities.items(), keep.split([p.numel() for p in priorities.values()])):
+    chunks = keep.split([p.numel() for p in priorities.values()])
+    for (name, p), chunk in zip(priorities.items(), chunks):
         masks[name] = chunk.view_as(p).to(p.device)
     return masks
 
@@ -280,14 +281,17 @@ def _previous_masks(slots: Mapping[str, _Slot], current_masks) -> dict[str, torc
         if slot.torch_mask is not None:
             mask = slot.torch_mask.detach().to(torch.bool)
         if current_masks is not None and name in current_masks:
-            given = torch.as_tensor(current_masks[name]).to(device=slot.param.device, dtype=torch.bool)
+            given = torch.as_tensor(current_masks[name]).to(device=slot.param.device,
+                                                             dtype=torch.bool)
             mask = given if mask is None else mask & given
         if mask is not None:
             previous[name] = mask
     return previous
 
 
-def _decide(model, slots, ratio, method, scope, previous, grasp_args) -> OrderedDict[str, torch.Tensor]:
+def _decide(
+    model, slots, ratio, method, scope, previous, grasp_args
+) -> OrderedDict[str, torch.Tensor]:
     if method == "magnitude":
         priorities = _magnitude_priorities(slots)
     else:
@@ -406,7 +410,7 @@ def prune(
             Horovod's, where there is no MPI world); same rank-0 decision and broadcast.
     """
     ratio = _check_ratio(ratio)
-    _check_choice("method", method, METHODS)
+    _check_choice("method", method, PRUNING_CRITERIA)
     _check_choice("scope", scope, SCOPES)
     if method == "grasp" and data is None:
         raise ValueError("method='grasp' needs data=<iterable of (x, y) batches>")
@@ -434,8 +438,10 @@ def prune(
     return masks
 
 
-def mask_fingerprint(masks: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over sorted names, shapes and mask bits: equal iff the masks are equal."""
+def masks_digest(masks: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) over a dict of named masks, their sorted names, shapes and bits: equal iff
+    the masks are equal. (:func:`pacmpi.hashing.mask_fingerprint` is the engine's cheap
+    per-array verification fingerprint, not a digest.)"""
     digest = hashlib.sha256()
     for name in sorted(masks):
         mask = masks[name].detach().to(torch.bool).cpu()
@@ -469,7 +475,7 @@ class GradualPruningSchedule:
         grasp_batches: int = 1,
         grasp_temperature: float = 200.0,
     ):
-        _check_choice("method", method, METHODS)
+        _check_choice("method", method, PRUNING_CRITERIA)
         _check_choice("scope", scope, SCOPES)
         self.milestones = self._validated(milestones)
         self.method, self.scope, self.include, self.exclude = method, scope, include, exclude
@@ -486,9 +492,11 @@ class GradualPruningSchedule:
                 raise ValueError(f"milestone step must be a non-negative int, got {step!r}")
             ratio = _check_ratio(ratio, "milestone ratio")
             if checked and step <= checked[-1][0]:
-                raise ValueError(f"milestone steps must be strictly increasing, got {step!r} after {checked[-1][0]!r}")
+                raise ValueError(f"milestone steps must be strictly increasing, got {step!r} "
+                                 f"after {checked[-1][0]!r}")
             if checked and ratio < checked[-1][1]:
-                raise ValueError(f"milestone ratios must be non-decreasing, got {ratio!r} after {checked[-1][1]!r}")
+                raise ValueError(f"milestone ratios must be non-decreasing, got {ratio!r} "
+                                 f"after {checked[-1][1]!r}")
             checked.append((step, ratio))
         if not checked:
             raise ValueError("milestones must not be empty")
@@ -510,7 +518,8 @@ class GradualPruningSchedule:
         applied once. Collective when ``comm`` or ``collectives`` is given (see :func:`prune`):
         call on every rank every step.
         """
-        due = [i for i in range(self._next, len(self.milestones)) if self.milestones[i][0] <= step_index]
+        due = [i for i in range(self._next, len(self.milestones))
+               if self.milestones[i][0] <= step_index]
         if not due:
             return None
         self._next = due[-1] + 1
@@ -565,7 +574,8 @@ class MaskEnforcer:
 
     def __init__(self, model: nn.Module, masks: Mapping[str, torch.Tensor]):
         self._model = model
-        self._entries: OrderedDict[str, tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._entries: OrderedDict[
+            str, tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = OrderedDict()
         self._optimizers: list = []
         self._grad_hooks: list = []
         self.update(masks)
@@ -593,7 +603,8 @@ class MaskEnforcer:
                 continue
             keep = torch.as_tensor(masks[name]).to(device=slot.param.device, dtype=torch.bool)
             if keep.shape != slot.param.shape:
-                raise ValueError(f"mask for {name!r} has shape {tuple(keep.shape)}, parameter has {tuple(slot.param.shape)}")
+                raise ValueError(f"mask for {name!r} has shape {tuple(keep.shape)}, "
+                                 f"parameter has {tuple(slot.param.shape)}")
             entries[name] = (slot.param, keep, ~keep)  # ~keep cached: used every step
         self._entries = entries
         self.apply_to_weights()

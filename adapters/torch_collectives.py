@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from pacmpi import Collectives
-from pacmpi.adapters.torch_sync import as_tensor
+from pacmpi.adapters.convert import as_tensor
 
 __all__ = ["TorchDistCollectives"]
 

@@ -6,8 +6,8 @@
 moment its last gradient arrives, while backward still runs; :meth:`PacTrainSync.synchronize`
 (called by hand or by the optimizer step pre-hook that :meth:`PacTrainSync.attach` installs)
 waits, unpacks and averages. The same object runs the baselines (``method="dense"`` / ``"fp16"``)
-so one script measures itself against them. :class:`TopKSync` is the compression baseline:
-TopK sparsification with error feedback, exchanged by an all-gather of (indices, values).
+so one script measures itself against them (the compression baselines, TopK among them, are
+in :mod:`pacmpi.experiments.baselines`).
 
 Tensors reach pacmpi zero-copy: CPU tensors as NumPy views (``Tensor.numpy()``), CUDA tensors
 as CuPy arrays via DLPack (CuPy is imported only when a CUDA tensor is seen).
@@ -18,7 +18,6 @@ rank reduces the same buffers; their buckets are launched only then. A parameter
 ``.grad`` was kept from an earlier step (``zero_grad(set_to_none=False)``) and that is unused in
 this step contributes that ``.grad`` as it stands.
 """
-import math
 import time
 import warnings
 
@@ -26,44 +25,16 @@ import numpy as np
 import torch
 
 from pacmpi import DEFAULT_BUCKET_BYTES, Collectives, MPICollectives, PacTrainReducer
-from pacmpi.adapters.pruning import mask_fingerprint
-from pacmpi.faults import ensure_abort_on_error
+from pacmpi.adapters.convert import as_array, numpy_dtype
+from pacmpi.adapters.pruning import masks_digest
+from pacmpi.methods import ALLREDUCE_METHODS, lookup_method
 
-__all__ = ["METHODS", "PacTrainSync", "TopKSync", "as_array", "as_tensor", "barrier",
-           "broadcast_buffers", "broadcast_object", "broadcast_optimizer_state",
-           "broadcast_parameters", "make_sync", "numpy_dtype", "transport"]
+__all__ = ["PacTrainSync", "barrier", "broadcast_buffers", "broadcast_object",
+           "broadcast_optimizer_state", "broadcast_parameters", "transport"]
 
-METHODS = ("dense", "fp16", "pactrain", "pactrain-ternary", "topk")
-# method -> (masks go to the reducer, quantize)
-_REDUCER_MODES = {"dense": (False, None), "fp16": (False, "fp16"),
-                  "pactrain": (True, None), "pactrain-ternary": (True, "ternary")}
 _STAT_KEYS = ("pack_seconds", "comm_seconds", "unpack_seconds", "verify_seconds", "bytes_sent",
               "dense_elements_equivalent", "packed_reductions", "dense_reductions",
               "dense_fallbacks", "resyncs")
-
-
-def as_array(tensor):
-    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of ``tensor``, sharing its memory."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor.numpy()
-    if tensor.device.type == "cuda":
-        import cupy  # only users with CUDA tensors need CuPy
-
-        return cupy.from_dlpack(tensor)
-    raise TypeError(f"tensors on {tensor.device} are not supported (use CPU or CUDA)")
-
-
-def as_tensor(array):
-    """Zero-copy torch tensor of a NumPy (CPU) or CuPy (CUDA, via DLPack) array."""
-    if isinstance(array, np.ndarray):
-        return torch.from_numpy(array)
-    return torch.from_dlpack(array)
-
-
-def numpy_dtype(torch_dtype):
-    """The NumPy dtype of a torch dtype (float16/32/64; bfloat16 has none in NumPy)."""
-    return torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
 def transport(comm=None, collectives=None):
@@ -151,8 +122,9 @@ def broadcast_optimizer_state(optimizer, *, comm=None, root=0, collectives=None)
 # ---------------------------------------------------------------------------------- base
 class _HookedSync:
     """Parameter discovery, mask handling (GSE), gradient hooks, step timing and state shared by
-    :class:`PacTrainSync` and :class:`TopKSync`. Subclasses implement ``_grad_ready(i)``
-    (optional early launch), ``_reduce(arrays)`` and ``_engine_state`` / ``_load_engine``."""
+    :class:`PacTrainSync` and the baselines of :mod:`pacmpi.experiments.baselines`. Subclasses
+    implement ``_grad_ready(i)`` (optional early launch), ``_reduce(arrays)`` and
+    ``_engine_state`` / ``_load_engine``."""
 
     def __init__(self, model, masks, collectives, method):
         self.model = model
@@ -202,12 +174,12 @@ class _HookedSync:
         """The current masks (bool tensors, shared with the sync), keyed as given."""
         return {key: self._masks[i] for key, i in self._mask_names.items()}
 
-    def update_masks(self, masks):
+    def set_masks(self, masks):
         """Write new masks (e.g. from a pruning schedule) into the sync's mask tensors, in place,
         so the reducer sees them at its next verification. Every masked name must be given and
         no new one: to prune a parameter later, pass an all-True mask for it at construction."""
         if set(masks) != set(self._mask_names):
-            raise ValueError(f"update_masks() needs exactly the masks given at construction: "
+            raise ValueError(f"set_masks() needs exactly the masks given at construction: "
                              f"{sorted(self._mask_names)}, got {sorted(masks)}")
         with torch.no_grad():
             for key, i in self._mask_names.items():
@@ -293,7 +265,7 @@ class _HookedSync:
         reduction engine's state (tracker, error-feedback residuals, step, counters)."""
         masks = {key: mask.detach().cpu().clone() for key, mask in self.masks.items()}
         return {"method": self.method, "world_size": self.collectives.size, "masks": masks,
-                "fingerprint": mask_fingerprint(masks) if masks else None,
+                "fingerprint": masks_digest(masks) if masks else None,
                 "engine": self._engine_state()}
 
     def load_state_dict(self, state):
@@ -304,10 +276,10 @@ class _HookedSync:
             raise ValueError(f"checkpoint was taken with method {state['method']!r}, this sync "
                              f"runs {self.method!r}")
         masks = state["masks"]
-        if (mask_fingerprint(masks) if masks else None) != state["fingerprint"]:
+        if (masks_digest(masks) if masks else None) != state["fingerprint"]:
             raise ValueError("checkpoint masks do not match their fingerprint (corrupt file?)")
         if masks:
-            self.update_masks(masks)
+            self.set_masks(masks)
         if state["world_size"] != self.collectives.size and self._has_residuals(state["engine"]):
             warnings.warn(f"resuming {self.method} at world size {self.collectives.size} from a "
                           f"checkpoint taken at {state['world_size']}: error-feedback residuals "
@@ -338,7 +310,7 @@ class PacTrainSync(_HookedSync):
     method:
         ``"pactrain"`` (only surviving coordinates are sent), ``"pactrain-ternary"`` (those,
         ternary-quantized with error feedback), ``"dense"`` (plain all-reduce of whole
-        gradients) or ``"fp16"`` (whole gradients as float16).
+        gradients) or ``"fp16"`` (whole gradients as float16); see :mod:`pacmpi.methods`.
     bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average, error_feedback:
         Passed to :class:`pacmpi.PacTrainReducer` (``error_feedback`` only matters for
         ``"pactrain-ternary"``).
@@ -353,15 +325,16 @@ class PacTrainSync(_HookedSync):
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
                  stable_steps=1, seed=0, average=True, error_feedback=True, collectives=None,
                  abort_on_error=None):
-        if method not in _REDUCER_MODES:
-            raise ValueError(f"method must be one of {tuple(_REDUCER_MODES)}, got {method!r}"
-                             + ("; use TopKSync for 'topk'" if method == "topk" else ""))
-        super().__init__(model, masks, None, method)
-        send_masks, quantize = _REDUCER_MODES[method]
-        reducer_masks = [as_array(m) if (send_masks and m is not None) else None
+        try:
+            spec = lookup_method(method, ALLREDUCE_METHODS)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the all-gather baselines are TopKSync, TernGradSync and "
+                             "DGCSync in pacmpi.experiments.baselines)") from None
+        super().__init__(model, masks, None, spec.name)
+        reducer_masks = [as_array(m) if (spec.packed and m is not None) else None
                          for m in self._masks]
         self.reducer = PacTrainReducer(
-            reducer_masks, comm=comm, collectives=collectives, quantize=quantize,
+            reducer_masks, comm=comm, collectives=collectives, quantize=spec.quantize,
             average=average, bucket_bytes=bucket_bytes, verify_every=verify_every,
             on_mismatch=on_mismatch, stable_steps=stable_steps, seed=seed,
             error_feedback=error_feedback, abort_on_error=abort_on_error,
@@ -392,98 +365,3 @@ class PacTrainSync(_HookedSync):
 
     def _load_engine(self, state, same_world):
         self.reducer.load_state_dict(state)
-
-
-# ---------------------------------------------------------------------------------- TopK
-class TopKSync(_HookedSync):
-    """TopK sparsification with error feedback: the compression baseline PacTrain is compared
-    with. Each rank adds its residual to its (masked) gradient, keeps the ``ratio`` largest
-    magnitudes of the whole model (at least one), remembers the rest as its new residual, and
-    all ranks all-gather (indices, values) and scatter-add them. Indices and values travel
-    through host memory (they are small); nothing overlaps with backward, since a global TopK
-    needs the whole gradient.
-
-    Parameters: ``model``, ``comm``, ``masks``, ``average`` as for :class:`PacTrainSync`;
-    ``ratio`` the kept fraction (0.01 = 1%); ``error_feedback`` keeps the residual;
-    ``abort_on_error`` as for :class:`PacTrainSync`.
-    """
-
-    def __init__(self, model, *, comm=None, masks=None, ratio=0.01, average=True,
-                 error_feedback=True, abort_on_error=None):
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-        if comm is None:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD.Dup()
-        super().__init__(model, masks, MPICollectives(comm=comm), "topk")
-        ensure_abort_on_error(abort_on_error, size=self.collectives.size)
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise TypeError(f"TopKSync needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        self.comm, self.ratio = comm, float(ratio)
-        self.average, self.error_feedback = bool(average), bool(error_feedback)
-        self.numel = sum(p.numel() for p in self.params)
-        self.k = max(1, math.ceil(self.ratio * self.numel))
-        self._residual = None
-        self.stats = {"steps": 0, "bytes_sent": 0, "dense_elements_equivalent": 0,
-                      "packed_reductions": 0, "dense_reductions": 0, "dense_fallbacks": 0,
-                      "resyncs": 0, "verify_seconds": 0.0, "pack_seconds": 0.0,
-                      "comm_seconds": 0.0, "unpack_seconds": 0.0}
-
-    def _reduce(self, arrays):
-        started = time.perf_counter()
-        grads = [p.grad for p in self.params]
-        with torch.no_grad():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if self.error_feedback and self._residual is not None:
-                flat += self._residual
-            indices = torch.topk(flat.abs(), self.k, sorted=False).indices
-            values = flat[indices]
-            if self.error_feedback:
-                flat[indices] = 0
-                self._residual = flat
-            send_i = indices.to(torch.int64).cpu().numpy()
-            send_v = values.cpu().numpy()
-            recv_i = np.empty(self.k * self.collectives.size, dtype=send_i.dtype)
-            recv_v = np.empty(self.k * self.collectives.size, dtype=send_v.dtype)
-            self.stats["pack_seconds"] += time.perf_counter() - started
-            started = time.perf_counter()
-            self.comm.Allgather(send_i, recv_i)
-            self.comm.Allgather(send_v, recv_v)
-            self.stats["comm_seconds"] += time.perf_counter() - started
-            started = time.perf_counter()
-            device = grads[0].device
-            total = torch.zeros(self.numel, dtype=grads[0].dtype, device=device)
-            total.index_add_(0, torch.from_numpy(recv_i).to(device),
-                             torch.from_numpy(recv_v).to(device))
-            if self.average and self.collectives.size > 1:
-                total /= self.collectives.size
-            offset = 0
-            for g in grads:
-                g.copy_(total[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-            self.stats["unpack_seconds"] += time.perf_counter() - started
-        self.stats["bytes_sent"] += send_i.nbytes + send_v.nbytes
-        self.stats["dense_elements_equivalent"] += self.numel
-        self.stats["packed_reductions"] += 1
-        self.stats["steps"] += 1
-
-    def _engine_state(self):
-        residuals = {} if self._residual is None else {0: self._residual.detach().cpu().clone()}
-        return {"residuals": residuals, "stats": dict(self.stats), "k": self.k}
-
-    def _load_engine(self, state, same_world):
-        if state["k"] != self.k:
-            raise ValueError(f"checkpoint has k={state['k']}, this sync keeps k={self.k}")
-        residual = state["residuals"].get(0) if same_world else None
-        self._residual = None if residual is None else residual.to(self.params[0].device).clone()
-        self.stats = dict(state["stats"])
-
-
-def make_sync(model, method, *, comm=None, masks=None, topk_ratio=0.01, **kwargs):
-    """A :class:`TopKSync` for ``method="topk"``, else a :class:`PacTrainSync`; ``kwargs`` go to
-    :class:`PacTrainSync` (ignored knobs of the other class are an error, not silently dropped)."""
-    if method == "topk":
-        return TopKSync(model, comm=comm, masks=masks, ratio=topk_ratio, **kwargs)
-    return PacTrainSync(model, comm=comm, masks=masks, method=method, **kwargs)

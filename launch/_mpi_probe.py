@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+
 def _loaded_libmpi():
     """Path of the MPI library this process loaded (Linux: from /proc/self/maps), or None."""
     try:

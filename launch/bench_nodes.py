@@ -11,11 +11,13 @@ against both models: ``star`` 2(K-1)/K * S / B (each node's private link) and ``
 2(K-1) * S / B (one link for all). A star bed that matched the shared model, or ran faster than
 its own, would mean traffic is not crossing the links it should: this table is the physical
 check. Points more than the tolerance off their own model are kept, marked ``refused``.
-The table is printed row by row as points finish; the JSON is a list of the calibration dicts.
+The table is printed row by row as points finish; the JSON holds the calibration dicts under
+``points``, with the run's environment (:func:`pacmpi.bench.harness.write_report`).
 """
 import argparse
-import json
 import sys
+
+from pacmpi.bench.harness import write_report
 
 from .nodes import NodeTestbed
 from .testbed import CalibrationError, format_rate
@@ -70,8 +72,7 @@ def main(argv=None):
     points = measure([int(k) for k in args.nodes.split(",")], args.rates.split(","),
                      args.topologies.split(","), tolerance=args.tolerance, mpirun=args.mpirun)
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(points, out, indent=1)
+        write_report(args.json, {"points": points}, parser.prog)
     return 1 if any(p["refused"] for p in points) else 0
 
 

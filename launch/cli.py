@@ -10,8 +10,9 @@ Examples::
     pacmpi-run -n 8 --nodes 4 --link 100mbit -- python train.py  # 4 nodes x 2 ranks, star
 
 Exit status: the launcher's (non-zero when a rank fails; the failed rank is named on
-stderr), 124 after ``--timeout``, 130 after Ctrl-C, 2 for usage and set-up errors (no root,
-no ``ip``/``tc``, no MPI), 3 when calibration refuses the test bed.
+stderr), 124 after ``--timeout``, 130 after Ctrl-C/SIGINT, 143 after SIGTERM (also when the
+parent left them ignored), 2 for usage and set-up errors (no root, no ``ip``/``tc``, no MPI),
+3 when calibration refuses the test bed.
 
 ``mpirun`` is found even when the venv is not activated: ``--mpirun``/``$PACMPI_MPIRUN``,
 then the running Python's ``bin``, then ``PATH`` (``horovodrun``: ``$PACMPI_HOROVODRUN``,
@@ -22,6 +23,7 @@ import argparse
 import shlex
 import sys
 
+from ._signals import unwind_on_signals
 from .mpi import MPIDetectionError
 from .runner import run_command
 from .testbed import CalibrationError, TestbedError
@@ -40,7 +42,8 @@ def build_parser():
     parser.add_argument("-n", "--np", type=int, required=True, metavar="N", help="number of ranks")
     parser.add_argument("--link", metavar="RATE",
                         help="shape one shared link to RATE (tc units: 100mbit, 1gbit, ...; "
-                             "'none' = host network) inside a private network namespace; needs root")
+                             "'none' = host network) inside a private network namespace; "
+                             "needs root")
     launcher = parser.add_mutually_exclusive_group()
     launcher.add_argument("--horovod", action="store_true", help="launch with horovodrun --gloo")
     launcher.add_argument("--torchrun", action="store_true",
@@ -91,12 +94,16 @@ def main(argv=None):
     if not command:
         parser.error("no command given (put it after --)")
     try:
-        result = run_command(command, args.np, link=args.link, nodes=args.nodes,
-                             topology=args.topology, horovod=args.horovod,
-                             torchrun=args.torchrun,
-                             oversubscribe=args.oversubscribe, hostfile=args.hostfile,
-                             env=args.env, calibrate=not args.no_calibrate,
-                             timeout=args.timeout, dry_run=args.dry_run, mpirun=args.mpirun)
+        # Ctrl-C and SIGTERM stop a run even when they came ignored from the parent (a
+        # background job of a non-interactive shell gets SIGINT ignored): a run otherwise lasts
+        # until its --timeout, and whoever sent the signal kills it, leaving its ranks running.
+        with unwind_on_signals(even_if_ignored=True):
+            result = run_command(command, args.np, link=args.link, nodes=args.nodes,
+                                 topology=args.topology, horovod=args.horovod,
+                                 torchrun=args.torchrun,
+                                 oversubscribe=args.oversubscribe, hostfile=args.hostfile,
+                                 env=args.env, calibrate=not args.no_calibrate,
+                                 timeout=args.timeout, dry_run=args.dry_run, mpirun=args.mpirun)
     except CalibrationError as exc:
         print(f"pacmpi-run: {exc}", file=sys.stderr)
         return CALIBRATION_EXIT

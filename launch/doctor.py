@@ -25,7 +25,7 @@ from .launchers import LauncherNotFoundError, env_variable, locate_launcher, pyt
 from .mpi import MPIDetectionError, detect_mpi
 from .testbed import probe_testbed
 
-__all__ = ["Check", "STATUSES", "run_checks", "format_report", "build_parser", "main"]
+__all__ = ["Check", "build_parser", "main"]
 
 STATUSES = ("ok", "warn", "missing", "fail")
 _MARK = {"ok": "ok", "warn": "WARN", "missing": "--", "fail": "FAIL"}
@@ -166,7 +166,7 @@ def check_cuda_aware(probe):
     return Check("cuda_aware", "CUDA-aware MPI", "missing",
                  detail + "; GPU buffers are staged through host memory",
                  "for GPU jobs, an MPI built with CUDA (Open MPI: --with-cuda; see "
-                 "launch/README.md and the Dockerfile)", False, data)
+                 "docs/testbed.md and the Dockerfile)", False, data)
 
 
 def check_cupy():

@@ -76,7 +76,8 @@ def describe_failure(failure, returncode, launcher="mpirun"):
     if failure is None:
         return (f"pacmpi-run: {launcher} exited with status {returncode} "
                 "(its output names no failed rank)")
-    who = f"rank {failure.rank}" if failure.rank is not None else "a rank (not named by the launcher)"
+    who = (f"rank {failure.rank}" if failure.rank is not None else
+           "a rank (not named by the launcher)")
     where = ", ".join(part for part in (
         f"pid {failure.pid}" if failure.pid is not None else "",
         f"node {failure.node}" if failure.node else "") if part)
@@ -86,7 +87,8 @@ def describe_failure(failure, returncode, launcher="mpirun"):
         how = f"was killed by signal {failure.signal} ({_signal_name(failure.signal)})"
     elif failure.exit_code is not None and failure.exit_code > 128:
         # Shells and horovodrun report death by signal S as exit code 128+S.
-        how = f"exited with code {failure.exit_code} (= 128 + {_signal_name(failure.exit_code - 128)})"
+        how = (f"exited with code {failure.exit_code} "
+               f"(= 128 + {_signal_name(failure.exit_code - 128)})")
     else:
         how = f"exited with code {failure.exit_code}"
     return f"pacmpi-run: {who} {how}; {launcher} exited with status {returncode}"

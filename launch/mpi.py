@@ -24,16 +24,8 @@ from dataclasses import dataclass
 
 from .launchers import find_launcher
 
-__all__ = [
-    "MPIFlavor",
-    "MPIDetectionError",
-    "parse_mpi_version",
-    "detect_mpi",
-    "build_mpirun_command",
-    "build_horovodrun_command",
-    "build_torchrun_command",
-    "ring_allreduce_settings",
-]
+__all__ = ["MPIFlavor", "MPIDetectionError", "detect_mpi", "build_mpirun_command",
+           "build_horovodrun_command", "build_torchrun_command", "ring_allreduce_settings"]
 
 OPENMPI, MPICH, INTEL = "openmpi", "mpich", "intel"
 
@@ -113,7 +105,8 @@ def _split_env(entries):
     for entry in entries:
         name, sep, value = entry.partition("=")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise ValueError(f"bad environment variable entry {entry!r}: expected NAME or NAME=VALUE")
+            raise ValueError(f"bad environment variable entry {entry!r}: "
+                             "expected NAME or NAME=VALUE")
         if sep:
             values[name] = value
         else:
@@ -227,7 +220,8 @@ def build_horovodrun_command(n, argv, *, gloo=True, hosts=None, network_interfac
         raise ValueError(f"rank count must be at least 1, got {n}")
     if not argv:
         raise ValueError("no command to run")
-    cmd = [horovodrun, "--gloo" if gloo else "--mpi", "-np", str(n), "-H", hosts or f"localhost:{n}"]
+    cmd = [horovodrun, "--gloo" if gloo else "--mpi", "-np", str(n),
+           "-H", hosts or f"localhost:{n}"]
     if network_interface:
         cmd += ["--network-interface", network_interface]
     return cmd + list(argv)

@@ -33,20 +33,17 @@ turns into the node's name.
 """
 import ipaddress
 import re
-import shutil
-import tempfile
-from pathlib import Path
 
 from .mpi import OPENMPI, build_mpirun_command
 from .testbed import TOPOLOGIES, NamespaceBed, TestbedError, _run, format_rate, tbf_command
 
-__all__ = ["NODE_SUBNET", "NodeTestbed", "parse_daemon_failure", "describe_daemon_failure"]
+__all__ = ["NodeTestbed", "parse_daemon_failure", "describe_daemon_failure"]
 
 NODE_SUBNET = ipaddress.IPv4Network("198.18.0.0/15")
 NODE_INTERFACE = "eth0"
 BRIDGE = "br0"
 SHARED_QUEUE = "ifb0"
-# Open MPI TCP settings for jobs on the nodes (measured on 2 cores, see launch/README.md):
+# Open MPI TCP settings for jobs on the nodes (measured on 2 cores, see docs/testbed.md):
 # - two connections per pair of ranks: over one, a 2-node ring all-reduce ran at 49-63% of
 #   what two full-duplex links carry, as if one direction waited for the other; over two, 99%;
 # - messages up to 1 MiB sent eagerly: a rendezvous handshake waits behind the bulk data that
@@ -85,7 +82,6 @@ class NodeTestbed(NamespaceBed):
         self.node_namespaces = [f"{self.name}-n{i}" for i in range(nodes)]
         self.hosts = [f"node{i}" for i in range(nodes)]
         self.addresses = [str(NODE_SUBNET[i + 1]) for i in range(nodes)]
-        self.workdir = Path(tempfile.gettempdir()) / self.name
         self.agent = self.workdir / "rsh-agent"
         self._hostfiles = {}  # path -> text, written on entry (commands are built before it)
 
@@ -127,16 +123,19 @@ class NodeTestbed(NamespaceBed):
                  f"could not set switch port {port}'s MTU to {self.mtu}"),
                 (node + ["ip", "addr", "add", f"{address}/{NODE_SUBNET.prefixlen}", "dev",
                          NODE_INTERFACE], f"could not give node {i} the address {address}"),
-                (node + ["ip", "link", "set", NODE_INTERFACE, "up"], f"could not bring up node {i}'s link"),
+                (node + ["ip", "link", "set", NODE_INTERFACE, "up"],
+                 f"could not bring up node {i}'s link"),
                 (switch + ["ip", "link", "set", port, "master", BRIDGE],
                  f"could not attach node {i}'s link to the bridge"),
-                (switch + ["ip", "link", "set", port, "up"], f"could not bring up switch port {port}"),
+                (switch + ["ip", "link", "set", port, "up"],
+                 f"could not bring up switch port {port}"),
             ]
             if self.topology == "star":
                 steps += [
                     (tbf_command(self.rate_bps, NODE_INTERFACE, self.burst, self.latency,
                                  namespace), shape),
-                    (tbf_command(self.rate_bps, port, self.burst, self.latency, self.switch), shape),
+                    (tbf_command(self.rate_bps, port, self.burst, self.latency, self.switch),
+                     shape),
                 ]
             else:
                 steps += [
@@ -156,9 +155,6 @@ class NodeTestbed(NamespaceBed):
         self.agent.chmod(0o700)
         for path, text in self._hostfiles.items():
             path.write_text(text)
-
-    def _release(self):
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self):
         super().__enter__()

@@ -13,21 +13,28 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
-from ._signals import unwind_on_signals
+from ._signals import signals_held, unwind_on_signals
 from .failure import RankFailure, describe_failure, parse_rank_failure
 from .launchers import find_launcher, python_env_bin
-from .mpi import (OPENMPI, build_horovodrun_command, build_mpirun_command,
-                  build_torchrun_command, detect_mpi)
+from .mpi import (
+    OPENMPI,
+    build_horovodrun_command,
+    build_mpirun_command,
+    build_torchrun_command,
+    detect_mpi,
+)
 from .nodes import NodeTestbed, describe_daemon_failure, parse_daemon_failure
 from .testbed import INTERFACE, LinkTestbed, format_rate
 
-__all__ = ["RunResult", "run_command", "describe_calibration", "parse_torchrun_failure",
-           "TIMEOUT_EXIT"]
+__all__ = ["RunResult", "run_command"]
 
 TIMEOUT_EXIT = 124  # what coreutils' timeout(1) returns; scripts already know it
 _TAIL_LINES = 400  # enough of the launcher's output to find its failure report
+_KILLED_S = 5.0  # for a SIGKILLed process to end: it only has to be scheduled once
+_OUTPUT_DRAIN_S = 5.0  # once everything the launcher started is gone, its pipes are at EOF
 
 
 @dataclass
@@ -68,47 +75,89 @@ def _pump(stream, sink, keep, echo):
     stream.close()
 
 
-def _end(proc, grace):
-    """Ask the launcher to stop (it then ends its ranks), then kill its process group."""
+def _session(sid):
+    """Pids of the live processes (not zombies) in session ``sid``, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
+                fields = stat.read().rpartition(b")")[2].split()
+        except (OSError, ValueError):
+            continue  # not a process, or gone meanwhile
+        if int(fields[3]) == sid and fields[0] not in (b"Z", b"X"):
+            pids.append(int(entry))
+    return pids
+
+
+def _exited(proc):
+    """Whether the launcher has ended, leaving it unreaped (its pid stays taken)."""
+    if proc.returncode is not None:
+        return True
     try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        # Runs also when a second Ctrl-C interrupts the grace period.
-        if proc.poll() is None:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped meanwhile
+        return True
+
+
+def _end(proc, grace):
+    """Ask the launcher to stop (it then ends its ranks); after ``grace`` s kill all it started.
+
+    The launcher runs in a session of its own, and the SIGKILL goes to every process in it, not
+    only to its process group: Open MPI puts each rank in a process group of its own, so
+    ``killpg`` would leave the ranks running. The session id is the launcher's pid, which the
+    kernel does not hand out again while the launcher is unreaped or any process of the
+    session is left, so no stranger is hit: the launcher is reaped last. Returns once they
+    have ended (a few seconds at most after ``grace``, even on a loaded machine).
+    """
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not _exited(proc):
+        time.sleep(0.05)
+    left = _session(proc.pid)
+    deadline = time.monotonic() + _KILLED_S
+    while left and time.monotonic() < deadline:
+        for pid in left:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            proc.wait(timeout=30)
+        time.sleep(0.05)
+        left = _session(proc.pid)
+    proc.wait(timeout=_KILLED_S)  # SIGKILL cannot be refused: this only reaps the launcher
 
 
 def _execute(cmd, *, env, timeout, capture, echo, grace):
     """Run ``cmd``; return (returncode, stdout lines, stderr lines, timed_out)."""
     keep = (lambda: []) if capture else (lambda: collections.deque(maxlen=_TAIL_LINES))
     out, err = keep(), keep()
-    # Own session: the launcher survives nothing we do not tell it, and killpg() reaches
-    # everything it started locally. stdin is not forwarded (training jobs do not read it).
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, out, echo), daemon=True),
-             threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, err, echo), daemon=True)]
-    for pump in pumps:
-        pump.start()
-    timed_out = False
+    proc, pumps, timed_out = None, [], False
     try:
         with unwind_on_signals():
+            with signals_held():  # a signal acts once there is a launcher to end
+                # Own session: the launcher survives nothing we do not tell it, and _end()
+                # reaches everything it started locally. stdin is not forwarded (training
+                # jobs do not read it).
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+                pumps = [threading.Thread(target=_pump, args=(stream, sink, keep, echo),
+                                          daemon=True)
+                         for stream, sink, keep in ((proc.stdout, sys.stdout, out),
+                                                    (proc.stderr, sys.stderr, err))]
+                for pump in pumps:
+                    pump.start()
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
     finally:
-        if proc.poll() is None:
-            _end(proc, grace)
-        for pump in pumps:
-            pump.join(timeout=10)
+        with signals_held():  # a second Ctrl-C acts once the ranks are ended
+            if proc is not None and proc.poll() is None:
+                _end(proc, grace)
+            drained = time.monotonic() + _OUTPUT_DRAIN_S
+            for pump in pumps:
+                pump.join(timeout=max(0.0, drained - time.monotonic()))
     return (TIMEOUT_EXIT if timed_out else proc.returncode), list(out), list(err), timed_out
 
 
@@ -162,9 +211,11 @@ def describe_calibration(calibration, nodes=False):
     who = f"{calibration['n']} nodes x 1 rank" if nodes else f"{calibration['n']} ranks"
     link = "per-node link" if calibration["topology"] == "star" else "link"
     return (f"calibration: {who}, {calibration['nbytes']} B {calibration['algorithm']} "
-            f"all-reduce in {calibration['time_s']:.3f} s (model {calibration['model_time_s']:.3f} s): "
-            f"{link} {format_rate(calibration['link_bps'])} = {calibration['ratio']:.1%} of nominal "
-            f"{format_rate(calibration['nominal_bps'])}, bus bw {format_rate(calibration['busbw_bps'])}")
+            f"all-reduce in {calibration['time_s']:.3f} s "
+            f"(model {calibration['model_time_s']:.3f} s): "
+            f"{link} {format_rate(calibration['link_bps'])} = {calibration['ratio']:.1%} "
+            f"of nominal {format_rate(calibration['nominal_bps'])}, "
+            f"bus bw {format_rate(calibration['busbw_bps'])}")
 
 
 def _say(message):

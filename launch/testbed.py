@@ -14,7 +14,8 @@ Set-up (needs root, iproute2 and the kernel's tbf qdisc)::
 
 The namespace is removed, and processes left in it are ended, on every exit path: leaving the
 ``with`` block (normally or by exception), ``atexit``, and SIGINT/SIGTERM (which unwind the
-stack into ``__exit__``; see :mod:`._signals`).
+stack into ``__exit__``; see :mod:`._signals`). A run killed by SIGKILL cannot do it: the next
+test bed to start removes what it left (see :mod:`._namespaces`).
 
 Calibration (:meth:`LinkTestbed.calibrate`) times a dense float32 all-reduce of S bytes on n
 ranks with the ring algorithm pinned. A ring all-reduce makes each rank send 2(n-1)/n * S
@@ -32,37 +33,25 @@ algorithm for 3 ranks that moves more bytes (88% by this model), hence the pin.
 set-up steps, clean-up of every namespace on every exit path, and the calibration run.
 """
 import atexit
-import itertools
 import json
 import os
-import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from ._signals import unwind_on_signals
+from pacmpi.units import format_rate, parse_rate
+
+from ._namespaces import delete, end_processes, new_name, remove_stale, workdir
+from ._signals import signals_held, unwind_on_signals
 from .mpi import build_mpirun_command, detect_mpi, ring_allreduce_settings
 
-__all__ = [
-    "TestbedError",
-    "CalibrationError",
-    "parse_rate",
-    "format_rate",
-    "link_model",
-    "tbf_command",
-    "NamespaceBed",
-    "LinkTestbed",
-    "probe_testbed",
-]
+__all__ = ["TestbedError", "CalibrationError", "tbf_command", "NamespaceBed", "LinkTestbed",
+           "probe_testbed"]
 
 INTERFACE = "lo"
 TOPOLOGIES = ("shared", "star")
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_names = itertools.count()
 
 
 class TestbedError(RuntimeError):
@@ -78,31 +67,6 @@ class CalibrationError(RuntimeError):
     def __init__(self, message, result):
         super().__init__(message)
         self.result = result
-
-
-def parse_rate(rate):
-    """Parse a tc-style rate such as ``"100mbit"`` or ``"1gbit"`` into bits per second (int).
-
-    Units are decimal (``kbit`` = 1000 bit/s, as in tc). Byte units are refused on purpose:
-    tc reads ``mbps`` as megaBYTES per second, a factor-8 trap.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", str(rate).lower())
-    if not match or match.group(2) not in _UNITS:
-        raise ValueError(
-            f"bad link rate {rate!r}: expected a number and one of the units "
-            f"{', '.join(_UNITS)} (e.g. 100mbit, 1gbit); byte units like 'mbps' are not accepted")
-    bps = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if bps <= 0:
-        raise ValueError(f"bad link rate {rate!r}: must be above zero")
-    return bps
-
-
-def format_rate(bps):
-    """``100000000`` -> ``"100.0 Mbit/s"``."""
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.1f} {unit}"
-    return f"{bps:.0f} bit/s"
 
 
 def link_model(n, nbytes, seconds, topology="shared"):
@@ -127,14 +91,9 @@ def _run(cmd, what, timeout=30):
     except subprocess.TimeoutExpired as exc:
         raise TestbedError(f"{what}: `{' '.join(cmd)}` did not finish within {timeout} s") from exc
     if done.returncode != 0:
-        raise TestbedError(f"{what}: `{' '.join(cmd)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+        raise TestbedError(f"{what}: `{' '.join(cmd)}` failed: "
+                           f"{done.stderr.strip() or done.stdout.strip()}")
     return done.stdout
-
-
-def _namespace_pids(namespace):
-    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True,
-                          timeout=30)
-    return [int(pid) for pid in done.stdout.split()] if done.returncode == 0 else []
 
 
 def tbf_command(rate_bps, device, burst, latency, namespace):
@@ -148,10 +107,14 @@ class NamespaceBed:
     removed (with anything left running in them) on every exit path, and a calibration that
     times a ring all-reduce and compares the link rate it implies with the nominal one.
 
-    Subclasses give ``namespaces`` (all they create, removed in reverse order),
-    ``_setup_steps()`` (``(command, what went wrong)`` pairs), ``mpirun_command`` and
-    ``topology``; ``option`` names the CLI option in error messages; ``tools`` the commands
-    that must be on ``PATH``.
+    Subclasses give ``namespaces`` (all they create), ``_setup_steps()`` (``(command, what
+    went wrong)`` pairs), ``mpirun_command`` and ``topology``; ``option`` names the CLI option
+    in error messages; ``tools`` the commands that must be on ``PATH``. Files a bed needs go
+    under ``workdir`` (created by ``_prepare`` when needed), removed with the namespaces.
+
+    ``name`` (``pacmpi-PID-K``) is unique per process and instance and carries the owner's
+    pid: entering a bed first removes what runs whose owner died (SIGKILL) left behind, never
+    a live run's (see :mod:`._namespaces`).
     """
 
     option = "--link"
@@ -163,7 +126,8 @@ class NamespaceBed:
         self.rate = rate
         self.rate_bps = parse_rate(rate)
         self.burst, self.latency, self.mtu, self.mpirun = burst, latency, mtu, mpirun
-        self.name = f"pacmpi-{os.getpid()}-{next(_names)}"
+        self.name = new_name()
+        self.workdir = workdir(self.name)
         self.active = False
         self._signals = None
 
@@ -189,16 +153,14 @@ class NamespaceBed:
     def _prepare(self):
         """Hook run before the set-up commands (e.g. to write files the launch needs)."""
 
-    def _release(self):
-        """Hook run after the namespaces are gone (e.g. to remove those files)."""
-
     def __enter__(self):
         self.check_preconditions()
-        self._signals = unwind_on_signals()
-        self._signals.__enter__()
-        atexit.register(self.cleanup)
+        remove_stale()
         self.active = True
         try:
+            self._signals = unwind_on_signals()
+            self._signals.__enter__()
+            atexit.register(self.cleanup)
             self._prepare()
             for cmd, what in self._setup_steps():
                 _run(cmd, what)
@@ -211,43 +173,27 @@ class NamespaceBed:
         self.cleanup()
 
     def cleanup(self):
-        """End processes left in the namespaces, delete them, drop the atexit and signal hooks.
+        """End processes left in the namespaces, delete them and ``workdir``, drop the atexit
+        and signal hooks.
 
-        Idempotent, and safe to call from ``atexit``. Processes are ended first because
-        ``ip netns del`` only removes the name: a namespace lives on while anything runs in it.
+        Idempotent, and safe to call from ``atexit``. SIGINT/SIGTERM arriving meanwhile act
+        once it is done. Processes are ended first because ``ip netns del`` only removes the
+        name: a namespace lives on while anything runs in it. Bounded: at most 2 x 3 s to end
+        the processes, then one ``ip`` process for all the namespaces.
         """
         if not self.active:
             return
         self.active = False
         try:
-            self._end_processes()
-            for namespace in reversed(self.namespaces):
-                subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
-            self._release()
+            with signals_held():
+                end_processes(self.namespaces)
+                delete(self.namespaces)
+                shutil.rmtree(self.workdir, ignore_errors=True)
         finally:
             atexit.unregister(self.cleanup)
             signals, self._signals = self._signals, None
             if signals is not None:
                 signals.__exit__(None, None, None)
-
-    def _pids(self):
-        return [pid for namespace in self.namespaces for pid in _namespace_pids(namespace)]
-
-    def _end_processes(self, grace=3.0):
-        """SIGTERM everything in our namespaces, then SIGKILL what is still there after ``grace``."""
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            pids = self._pids()
-            for pid in pids:
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + grace
-            while pids and time.monotonic() < deadline:
-                time.sleep(0.05)
-                pids = self._pids()
-            if not pids:
-                return
 
     def mpirun_command(self, flavor, n, argv, **options):
         raise NotImplementedError
@@ -267,7 +213,8 @@ class NamespaceBed:
         mca, env = ring_allreduce_settings(flavor)
         script = Path(__file__).with_name("_calibrate.py")
         # Oversubscribe: the ranks mostly wait on the link, so more ranks than cores is fine.
-        cmd = self.mpirun_command(flavor, n, [sys.executable, str(script), str(nbytes), str(repeats)],
+        cmd = self.mpirun_command(flavor, n,
+                                  [sys.executable, str(script), str(nbytes), str(repeats)],
                                   oversubscribe=True, tag_output=False, extra_mca=mca,
                                   env_forward=env)
         try:
@@ -294,7 +241,8 @@ class NamespaceBed:
             raise CalibrationError(
                 f"calibration refused: {which} carried {format_rate(result['link_bps'])}, "
                 f"{result['ratio']:.0%} of the nominal {format_rate(self.rate_bps)} "
-                f"(allowed: within {tolerance:.0%}); results on this test bed would be wrong", result)
+                f"(allowed: within {tolerance:.0%}); results on this test bed would be wrong",
+                result)
         return result
 
 
@@ -321,7 +269,8 @@ class LinkTestbed(NamespaceBed):
             (["ip", "netns", "add", self.name],
              "could not create the network namespace (is this a container without "
              "CAP_SYS_ADMIN?)"),
-            (inside + ["ip", "link", "set", INTERFACE, "up"], "could not bring up lo in the namespace"),
+            (inside + ["ip", "link", "set", INTERFACE, "up"],
+             "could not bring up lo in the namespace"),
             (inside + ["ip", "link", "set", INTERFACE, "mtu", str(self.mtu)],
              f"could not set lo's MTU to {self.mtu}"),
             (tbf_command(self.rate_bps, INTERFACE, self.burst, self.latency, self.name),

@@ -5,7 +5,7 @@ import numpy as np
 
 from .arrays import check_float_dtype
 
-__all__ = ["Member", "Bucket", "BucketLayout", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Bucket", "BucketLayout", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """Like PyTorch DDP's default: big enough to amortize latency, small enough to overlap."""

@@ -5,7 +5,7 @@ the command's words and pointing at a ``main(argv)`` function, e.g. in ``pyproje
 
     [project.entry-points."pacmpi.commands"]
     "bench allreduce" = "pacmpi.bench.allreduce:main"
-    "train" = "pacmpi.adapters.train:main"
+    "train" = "pacmpi.experiments.train:main"
 
 The core therefore never imports the adapters or the launch helpers: it only reads the
 metadata of what is installed. ``pacmpi --help`` lists the commands with the first line of
@@ -23,7 +23,7 @@ from importlib.metadata import distributions
 
 from .faults import run_main
 
-__all__ = ["GROUP", "Command", "commands", "main"]
+__all__ = ["main"]
 
 GROUP = "pacmpi.commands"
 

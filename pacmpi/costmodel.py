@@ -13,7 +13,7 @@ links of ``B`` bytes/s it takes::
 - hierarchical: the ranks of a node first sum dense at memory speed (``intra_Bps``, an
   all-reduce of the dense bytes among the node's ranks) and ternary digits use base ``2K + 1``
   for K nodes instead of ``2N + 1`` (:class:`pacmpi.ternary.TernaryCodec` gives the bits);
-- wire bytes: dense fp32 ``4 n``, fp16 ``2 n``, PacTrain ``4 kept``, ternary ``8`` per word of
+- wire bytes: dense (fp32) ``4 n``, fp16 ``2 n``, PacTrain ``4 kept``, ternary ``8`` per word of
   ``kept`` codes (uint64 words, as MPI sums them);
 - codec: ``4 n / u + 4 kept / v`` seconds per method (gathers and rounding work on the kept
   values, the scatter clears every value; fp16's two casts touch every value), verify
@@ -31,26 +31,23 @@ import argparse
 import itertools
 import json
 import os
-import re
 import sys
 
 import numpy as np
 
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout
+from .methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from .ternary import TernaryCodec
+from .units import parse_rate, parse_size
 
-__all__ = ["METHODS", "TOPOLOGIES", "DEFAULT_FIT", "parse_rate", "workload", "predict",
-           "latency", "link_efficiency", "step_seconds", "calibrate", "validate",
-           "calibrate_main", "predict_main"]
+__all__ = ["workload", "predict", "latency", "calibrate", "calibrate_main", "predict_main"]
 
-METHODS = ("dense-fp32", "dense-fp16", "pactrain", "pactrain-ternary")
 TOPOLOGIES = ("star", "shared")
-_PACKED = ("pactrain", "pactrain-ternary")
 
 DEFAULT_FIT = {
     "latency_s": {t: 0.0 for t in TOPOLOGIES}, "link_efficiency": {t: 1.0 for t in TOPOLOGIES},
-    "codec_s_per_byte": {m: [0.0, 0.0] for m in METHODS},
-    "verify_s_per_byte": {m: 0.0 for m in METHODS},
+    "codec_s_per_byte": {m: [0.0, 0.0] for m in ALLREDUCE_METHODS},
+    "verify_s_per_byte": {m: 0.0 for m in ALLREDUCE_METHODS},
     "intra_Bps": 20e9, "host_cores": None,
 }
 """An uncalibrated model: no latency, nominal rates, free codec; ``intra_Bps`` 20 GB/s (a PCIe
@@ -61,18 +58,6 @@ direction; the shared bed moves 64 KiB packets through one queue on ``lo`` that 
 shares. A single number applies to both."""
 
 _FIT_FILE = "results/costmodel_fit.json"
-
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-
-
-def parse_rate(text):
-    """A tc-style rate (``100mbit``, ``1gbit``, ``2.5gbit``, or bits/s) -> bytes per second."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    unit = match and (match.group(2) or "bit")
-    if not match or unit not in _RATE_UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"bad link rate {text!r}: use e.g. 100mbit, 1gbit, 10gbit")
-    return float(match.group(1)) * _RATE_UNITS[unit] / 8
-
 
 def _check_int(name, value, low=1):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
@@ -107,16 +92,19 @@ def workload(*, model=None, nbytes=None, density=1.0, bucket_bytes=DEFAULT_BUCKE
 
 
 def _wire_bytes(method, values, kept, buckets, participants):
-    if method == "dense-fp32":
-        return 4 * values
-    if method == "dense-fp16":
-        return 2 * values
-    if method == "pactrain":
-        return 4 * kept
-    codec = TernaryCodec(max(participants, 1), "uint64")
-    # Left out: the buckets' partial last words (at most one each) and their scales, which
-    # ride in the verification all-reduce on verified steps.
-    return 8 * codec.words_for(kept)
+    """Bytes one rank puts into the all-reduces of a step of ``method`` (a :class:`Method`)."""
+    if method.quantize == "ternary":
+        codec = TernaryCodec(max(participants, 1), "uint64")
+        # Left out: the buckets' partial last words (at most one each) and their scales, which
+        # ride in the verification all-reduce on verified steps.
+        return 8 * codec.words_for(kept)
+    return (kept if method.packed else values) * (2 if method.quantize == "fp16" else 4)
+
+
+def _per_method(fit, key, method):
+    """``fit[key]``'s entry for ``method``; fits written before one vocabulary name dense and
+    fp16 ``dense-fp32`` and ``dense-fp16``."""
+    return {lookup_method(name).name: value for name, value in fit[key].items()}[method]
 
 
 def _per_topology(fit, key, topology):
@@ -142,11 +130,11 @@ def latency(fit, topology):
 def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=None,
                  topology="star", hierarchical=False, host_cores=None, compute_s=0.0,
                  codec=True):
-    """Predicted seconds of one step, and its parts (a dict; see the module docstring)."""
+    """Predicted seconds of one step, and its parts (a dict; see the module docstring);
+    ``link_bps``: the nominal link rate in bits per second."""
     ranks = _check_int("ranks", ranks)
     nodes = ranks if nodes is None else _check_int("nodes", nodes)
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    method = lookup_method(method, ALLREDUCE_METHODS)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
     if ranks % nodes:
@@ -157,27 +145,28 @@ def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=N
     factor = 2 * (ring - 1) / ring if topology == "star" else 2 * (ring - 1)
     # One node on a star: the ring never leaves it, so it runs at memory speed.
     rate = fit["intra_Bps"] if topology == "star" and nodes == 1 else (
-        link_efficiency(fit, topology) * link_bps)
+        link_efficiency(fit, topology) * link_bps / 8)
     network_s = wire * factor / rate
-    collectives = buckets + (method in _PACKED)
+    collectives = buckets + method.packed
     latency_s = latency(fit, topology) * collectives * 2 * (ring - 1)
     intra_s = 0.0
     if hierarchical and per_node > 1:
         intra_s = 4 * values * 2 * (per_node - 1) / per_node / fit["intra_Bps"]
     share = max(1.0, ranks / host_cores) if host_cores else 1.0
-    u, v = fit["codec_s_per_byte"][method]
+    u, v = _per_method(fit, "codec_s_per_byte", method.name)
     codec_s = (4 * values * u + 4 * kept * v) * share if codec else 0.0
-    verify_s = 4 * values * fit["verify_s_per_byte"][method] * share if codec else 0.0
+    verify_s = (4 * values * _per_method(fit, "verify_s_per_byte", method.name) * share
+                if codec else 0.0)
     total = compute_s + latency_s + network_s + intra_s + codec_s + verify_s
     return {"seconds": total, "compute_s": compute_s, "latency_s": latency_s,
             "network_s": network_s, "intra_s": intra_s, "codec_s": codec_s,
             "verify_s": verify_s, "wire_bytes": int(wire),
-            "bits_per_value": 8 * wire / kept if method == "pactrain-ternary" and kept else None}
+            "bits_per_value": 8 * wire / kept if method.quantize == "ternary" and kept else None}
 
 
 def predict(fit, *, ranks, link, method, density=1.0, model=None, nbytes=None, nodes=None,
             topology="star", hierarchical=False, compute_s=0.0, host_cores=None, codec=True):
-    """Seconds per step of ``method`` and its speedup over flat dense fp32 and fp16 (the same
+    """Seconds per step of ``method`` and its speedup over flat dense (fp32) and fp16 (the same
     topology, compute and codec setting); returns a JSON-able dict."""
     if not isinstance(compute_s, (int, float)) or compute_s < 0:
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
@@ -185,15 +174,15 @@ def predict(fit, *, ranks, link, method, density=1.0, model=None, nbytes=None, n
     common = dict(ranks=ranks, link_bps=parse_rate(link), values=values, kept=kept,
                   buckets=buckets, nodes=nodes, topology=topology, host_cores=host_cores,
                   compute_s=compute_s, codec=codec)
+    method = lookup_method(method, ALLREDUCE_METHODS).name
     mine = step_seconds(fit, method=method, hierarchical=hierarchical, **common)
-    baselines = {m: step_seconds(fit, method=m, **common)["seconds"]
-                 for m in ("dense-fp32", "dense-fp16")}
+    baselines = {m: step_seconds(fit, method=m, **common)["seconds"] for m in ("dense", "fp16")}
     return dict(mine, ranks=ranks, nodes=nodes or ranks, link=link, topology=topology,
                 method=method, hierarchical=hierarchical, model=model, density=density,
                 values=values, kept=kept, buckets=buckets,
-                dense_fp32_s=baselines["dense-fp32"], dense_fp16_s=baselines["dense-fp16"],
-                speedup_vs_dense_fp32=baselines["dense-fp32"] / mine["seconds"],
-                speedup_vs_dense_fp16=baselines["dense-fp16"] / mine["seconds"])
+                dense_s=baselines["dense"], fp16_s=baselines["fp16"],
+                speedup_vs_dense=baselines["dense"] / mine["seconds"],
+                speedup_vs_fp16=baselines["fp16"] / mine["seconds"])
 
 
 def _nnls(columns, target, weights):
@@ -239,7 +228,8 @@ def _points(documents):
             points.append({
                 "source": source, "model": doc["model"], "ranks": doc["ranks"],
                 "nodes": doc.get("nodes") or doc["ranks"], "link": doc["link"],
-                "topology": doc.get("topology", "shared"), "method": row["method"],
+                "topology": doc.get("topology", "shared"),
+                "method": lookup_method(row["method"], ALLREDUCE_METHODS).name,
                 "density": row["density"], "values": values, "kept": kept, "buckets": buckets,
                 "measured_s": row["time_avg_us"] / 1e6,
                 "codec_s": row["pack_unpack_us"] / 1e6, "verify_s": row["verify_us"] / 1e6,
@@ -274,16 +264,17 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
     methods = np.array([p["method"] for p in points])
     codec = np.array([p["codec_s"] for p in points])
     verify = np.array([p["verify_s"] for p in points])
-    for method in METHODS[1:]:
+    for method in ALLREDUCE_METHODS[1:]:  # dense has no codec
         mine = methods == method
         if not mine.any():
             continue
         # fp16's two casts touch every value; PacTrain's gathers touch the kept ones.
-        columns = [values[mine]] + ([kept[mine]] if method in _PACKED else [])
+        packed = METHODS[method].packed
+        columns = [values[mine]] + ([kept[mine]] if packed else [])
         weights = 1 / np.maximum(codec[mine], 1e-9)
         fit["codec_s_per_byte"][method][:len(columns)] = [
             float(c) for c in _nnls(columns, codec[mine], weights)]
-        if method in _PACKED:
+        if packed:
             fit["verify_s_per_byte"][method] = float(
                 _nnls([values[mine]], verify[mine], 1 / np.maximum(verify[mine], 1e-9))[0])
     # With latency and link efficiency 1, step_seconds's latency is the step count and its
@@ -364,7 +355,7 @@ def calibrate_main(argv=None):
     args = parser.parse_args(argv)
     _check_int("--host-cores", args.host_cores)
     fit = calibrate(_load(args.json), host_cores=args.host_cores,
-                    intra_Bps=parse_rate(args.intra_rate))
+                    intra_Bps=parse_rate(args.intra_rate) / 8)
     fit["fit_files"] = [os.path.basename(p) for p in args.json]
     fit["validation"] = validate(fit, _load(args.validate)) if args.validate else []
     with open(args.out, "w") as fh:
@@ -373,7 +364,7 @@ def calibrate_main(argv=None):
         print(f"{t}: a = {latency(fit, t) * 1e6:.1f} us per ring step, link efficiency "
               f"{link_efficiency(fit, t):.3f}")
     print("codec s/byte (all values, kept values), verify s/byte:")
-    for method in METHODS:
+    for method in ALLREDUCE_METHODS:
         u, v = fit["codec_s_per_byte"][method]
         print(f"  {method:>17}: {u:.3e}, {v:.3e}; {fit['verify_s_per_byte'][method]:.3e}")
     print("\nfitted points:\n" + format_points(fit["points"]))
@@ -400,7 +391,8 @@ def predict_main(argv=None):
     size.add_argument("--model", choices=MODELS)
     size.add_argument("--bytes", dest="nbytes", help="float32 gradient bytes (e.g. 100M)")
     parser.add_argument("--density", type=float, default=1.0)
-    parser.add_argument("--method", choices=METHODS, default="pactrain")
+    parser.add_argument("--method", default="pactrain",
+                        help=f"one of {', '.join(ALLREDUCE_METHODS)} (default %(default)s)")
     parser.add_argument("--compute-s", type=float, default=0.0,
                         help="compute seconds per step, not overlapped (default 0)")
     parser.add_argument("--hierarchical", action="store_true")
@@ -427,11 +419,8 @@ def predict_main(argv=None):
                 fit = json.load(fh)
         except (OSError, ValueError) as exc:
             parser.error(f"cannot read --fit {args.fit or _FIT_FILE!r}: {exc}")
-    nbytes = None
-    if args.nbytes is not None:
-        from .bench.allreduce import parse_size
-        nbytes = parse_size(args.nbytes)
     try:
+        nbytes = None if args.nbytes is None else parse_size(args.nbytes)
         result = predict(fit, ranks=args.ranks, link=args.link, method=args.method,
                          density=args.density, model=args.model, nbytes=nbytes,
                          nodes=args.nodes, topology=args.topology,
@@ -445,8 +434,8 @@ def predict_main(argv=None):
         print(f"{result['method']}{' (hierarchical)' if args.hierarchical else ''}: "
               f"{result['seconds']:.4f} s per step (network {result['network_s']:.4f}, codec "
               f"{result['codec_s'] + result['verify_s']:.4f}, compute {result['compute_s']:.4f}); "
-              f"x{result['speedup_vs_dense_fp32']:.2f} vs dense fp32, "
-              f"x{result['speedup_vs_dense_fp16']:.2f} vs dense fp16")
+              f"x{result['speedup_vs_dense']:.2f} vs dense, "
+              f"x{result['speedup_vs_fp16']:.2f} vs fp16")
     return 0
 
 

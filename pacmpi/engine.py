@@ -30,8 +30,7 @@ from .ternary import TernaryCodec, ternary_key
 from .tracker import MaskTracker
 from .verify import agree, gather_details, offending_ranks, raise_together
 
-__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES",
-           "COUNTERS"]
+__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES"]
 
 QUANTIZE_MODES = (None, "fp16", "ternary")
 MISMATCH_POLICIES = ("raise", "resync")
@@ -60,10 +59,11 @@ class BucketSpec:
 class Encoded:
     """What :meth:`StepEngine.decode` needs besides the reduced payload.
 
-    ``kind`` is ``"dense"`` (the payload is the bucket, reduced in place), ``"float"`` (a
-    separate float payload: packed survivors, float16, or an unquantized non-finite bucket) or
-    ``"ternary"``. ``residual`` is the error-feedback residual to keep once the result is back,
-    so an abandoned step leaves the residuals as they were.
+    ``kind`` is ``"dense"`` (the payload is the bucket, reduced in place), ``"copy"`` (the
+    payload is a copy of the bucket's values, scattered back on decode: packed survivors, a
+    float16 cast, or an unquantized non-finite bucket) or ``"ternary"`` (ternary words).
+    ``residual`` is the error-feedback residual to keep once the result is back, so an abandoned
+    step leaves the residuals as they were.
     """
 
     bucket: int
@@ -113,10 +113,6 @@ def _float_bits(value):
 
 def _bits_float(bits):
     return float(np.array(bits, dtype=np.int64).view(np.float64))
-
-
-def _compute_dtype(dtype):
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 class StepEngine:
@@ -175,15 +171,19 @@ class StepEngine:
         """How many ranks' ternary codes one payload sum adds up: every rank's, here."""
         return collectives.size
 
+    # Reusable payload buffers and the last agreed mask snapshots with their fingerprints:
+    # dicts rebuilt on demand, so never pickled.
+    _CACHES = ("_buffers", "_snapshots")
+
     def _clear_caches(self):
-        # Reusable payload buffers and the last agreed mask snapshots with their fingerprints;
-        # rebuilt on demand, so never pickled.
-        self._buffers, self._snapshots = {}, {}
+        for name in self._CACHES:
+            setattr(self, name, {})
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["collectives"] = None
-        del state["_buffers"], state["_snapshots"]
+        for name in self._CACHES:
+            del state[name]
         return state
 
     def __setstate__(self, state):
@@ -262,7 +262,7 @@ class StepEngine:
         floats the integer order is the float order, so MAX over the bits is the MAX scale);
         zeros when ``scale_flats`` is None (a rank with bad input: the step raises anyway)."""
         flats = scale_flats() if fused and scale_flats is not None else {}
-        return {f"scale{b}": _float_bits(self._local_absmax(b, flats[b]) if flats else 0.0)
+        return {f"scale{b}": _float_bits(self._local_scale(b, flats[b]) if flats else 0.0)
                 for b in fused}
 
     def end_step(self):
@@ -371,6 +371,14 @@ class StepEngine:
         lines = [f"ranks disagree on {', '.join(fields)} at step {self.step}; "
                  f"offending ranks: {bad}"]
         reference = {bk["name"]: bk for bk in details[0]["buckets"]}
+        unknown = {"fingerprint": None, "survivors": None}
+
+        def mask_of(bk):
+            return bk["fingerprint"], bk["survivors"]
+
+        def on_rank0(bk):
+            return mask_of(reference.get(bk["name"], unknown))
+
         for rank in sorted({0, *bad}):
             d = details[rank]
             sizes = [(bk["dtype"], bk["elements"], bk["survivors"]) for bk in d["buckets"]]
@@ -378,16 +386,13 @@ class StepEngine:
                          f"quantize {d['quantize']}, (dtype, elements, survivors) {sizes}")
             if rank == 0:
                 continue
-            differing = [bk for bk in d["buckets"]
-                         if (bk["fingerprint"], bk["survivors"]) != tuple(
-                             reference.get(bk["name"], {}).get(k)
-                             for k in ("fingerprint", "survivors"))]
+            differing = [bk for bk in d["buckets"] if mask_of(bk) != on_rank0(bk)]
             if differing:
                 lines.append(
                     f"rank {rank} on {d['host']}: masks differ from rank 0's for "
                     f"{[bk['name'] for bk in differing]}; (fingerprint, survivors) here "
-                    f"{[(bk['fingerprint'], bk['survivors']) for bk in differing]}, on rank 0 "
-                    f"{[(reference.get(bk['name'], {}).get('fingerprint'), reference.get(bk['name'], {}).get('survivors')) for bk in differing]}")
+                    f"{[mask_of(bk) for bk in differing]}, on rank 0 "
+                    f"{[on_rank0(bk) for bk in differing]}")
         raise error_type("\n".join(lines), details=details, offending_ranks=bad)
 
     def _resync(self, flats, read_masks, write_masks):
@@ -432,17 +437,28 @@ class StepEngine:
         order = [b for b in sorted(flats) if self._payload_count(b) and b not in self._scales]
         if self.quantize != "ternary" or not order:
             return
-        local = np.array([self._local_absmax(b, flats[b]) for b in order])
+        local = np.array([self._local_scale(b, flats[b]) for b in order])
         self._agree(local, name=f"pacmpi.scales.{self.step}")
         self._scales.update(zip(order, local))
 
-    def _local_absmax(self, b, flat):
-        """This rank's max |gradient + residual| over what bucket ``b`` sends (masking first
-        on the dense path, a no-op for the steady buckets of :meth:`_steady_buckets`)."""
+    def _agreed_scale(self, b, flat):
+        """Bucket ``b``'s ternary scale this step: the one agreed beforehand (verification or
+        :meth:`agree_scales`), else agreed now in a MAX all-reduce of its own."""
+        scale = self._scales.pop(b, None)
+        if scale is None:
+            local = np.array([self._local_scale(b, flat)])
+            self._agree(local, name=f"pacmpi.scale.{self.buckets[b].name}")
+            scale = local[0]
+        return scale
+
+    def _local_scale(self, b, flat):
+        """This rank's part of bucket ``b``'s scale, before the MAX over ranks: its max
+        |gradient + residual| over what the bucket sends (masking first on the dense path, a
+        no-op for the steady buckets of :meth:`_steady_buckets`)."""
         xp = array_module(flat)
         indices = self.packed_indices(b)
         self._apply_mask(b, flat, indices)
-        residual = self._residual_for(b, xp, _compute_dtype(flat.dtype), indices)
+        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype), indices)
         return kernels.absmax(xp, flat, indices, residual)
 
     def _agree(self, local, name):
@@ -504,7 +520,7 @@ class StepEngine:
             wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else spec.dtype
             wire = kernels.gather(xp, flat, indices, self._buffer(xp, ("packed", b), count,
                                                                    wire_dtype))
-            ctx = Encoded(b, "float", indices, self.generation, count=count)
+            ctx = Encoded(b, "copy", indices, self.generation, count=count)
         else:
             wire, ctx = flat, Encoded(b, "dense", None, self.generation, count=count)
         self.stats["bytes_sent"] += wire.nbytes
@@ -512,25 +528,26 @@ class StepEngine:
         return wire, ctx
 
     def _encode_ternary(self, b, xp, flat, indices, count):
-        compute = _compute_dtype(flat.dtype)
-        residual = self._residual_for(b, xp, compute, indices)
-        scale = self._scales.pop(b, None)
-        if scale is None:
-            local = np.array([kernels.absmax(xp, flat, indices, residual)])
-            self._agree(local, name=f"pacmpi.scale.{self.buckets[b].name}")
-            scale = local[0]
+        scale = self._agreed_scale(b, flat)
+        # Fetched even for a step sent unquantized: the residual then still drops what this
+        # step's mask prunes, as on every other step.
+        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype), indices)
         if not math.isfinite(scale):
             # NaN/Inf on some rank: send this bucket unquantized, so the non-finite values
             # propagate exactly as on the dense path and the scale is never NaN.
             self.stats["nonfinite_fallbacks"] += 1
-            if indices is None:
-                return flat, Encoded(b, "dense", None, self.generation, count=count)
-            wire = kernels.gather(xp, flat, indices,
-                                  self._buffer(xp, ("packed", b), count, flat.dtype))
-            return wire, Encoded(b, "float", indices, self.generation, count=count)
+            return self._unquantized(b, xp, flat, indices, count)
         words, new_residual = self._ternary_words(b, xp, flat, indices, residual, scale, count)
         return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
                               count=count, residual=new_residual)
+
+    def _unquantized(self, b, xp, flat, indices, count):
+        """Payload and context of a ternary bucket sent as it is (a non-finite scale)."""
+        if indices is None:
+            return flat, Encoded(b, "dense", None, self.generation, count=count)
+        wire = kernels.gather(xp, flat, indices,
+                              self._buffer(xp, ("packed", b), count, flat.dtype))
+        return wire, Encoded(b, "copy", indices, self.generation, count=count)
 
     def _ternary_words(self, b, xp, flat, indices, residual, scale, count):
         """Quantize ``flat[indices] + residual`` (``count`` values) into bucket ``b``'s words

@@ -27,18 +27,8 @@ import sys
 import threading
 import traceback
 
-__all__ = [
-    "world",
-    "rank_prefix",
-    "report_exception",
-    "abort_job",
-    "exit_status",
-    "abort_on_exception",
-    "install_excepthook",
-    "ensure_abort_on_error",
-    "ABORT_ENV",
-    "run_main",
-]
+__all__ = ["world", "abort_job", "abort_on_exception", "install_excepthook",
+           "ensure_abort_on_error", "run_main"]
 
 ABORT_ENV = "PACMPI_ABORT_ON_ERROR"
 _ENV_OFF = ("0", "false", "no", "off")

@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["splitmix64", "splitmix64_int", "mask_fingerprint", "uniform", "digest_ints"]
+__all__ = ["splitmix64_int", "mask_fingerprint", "uniform", "digest_ints"]
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9

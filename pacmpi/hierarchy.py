@@ -12,7 +12,6 @@ exact sum (``E[s q] = node sum``, so the estimator stays unbiased), non-leaders 
 all-zero words, and the words of K nodes, not N ranks, are summed: base-(2K+1) digits. The
 error-feedback residual is the node sum's, kept by the leader; non-leaders keep none.
 """
-import math
 import os
 import socket
 import time
@@ -27,8 +26,7 @@ from .engine import Encoded, StepEngine
 from .ternary import wire_bits_table
 from .verify import run_together
 
-__all__ = ["HierarchicalCollectives", "HierarchicalEngine", "node_communicator",
-           "hierarchical_wire_bits"]
+__all__ = ["HierarchicalCollectives", "HierarchicalEngine", "node_communicator"]
 
 
 def _node_identity():
@@ -147,33 +145,19 @@ class HierarchicalEngine(StepEngine):
     float16 payloads are summed by its two-level all-reduce as they are; a ternary payload is
     the leader's quantized node sum (see the module's docstring)."""
 
+    _CACHES = StepEngine._CACHES + ("_node_sums",)  # bucket -> this step's node sum
+
     def _code_ranks(self, collectives):
         return collectives.nodes
-
-    def _clear_caches(self):
-        super()._clear_caches()
-        self._node_sums = {}  # bucket -> this step's node sum (complete on the leader only)
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        del state["_node_sums"]
-        return state
 
     def _steady_buckets(self):
         # Scales come from node sums, which exist only after the verification: none fused.
         return {}
 
-    def agree_scales(self, flats):
-        order = [b for b in sorted(flats) if self._payload_count(b) and b not in self._scales]
-        if self.quantize != "ternary" or not order:
-            return
-        local = np.array([self._node_sum(b, flats[b]) for b in order])
-        self._agree(local, name=f"pacmpi.scales.{self.step}")
-        self._scales.update(zip(order, local))
-
-    def _node_sum(self, b, flat):
+    def _local_scale(self, b, flat):
         """Sum what bucket ``b`` sends over the node, in the compute dtype, into the leader's
-        buffer; returns the leader's max |node sum + residual| (0.0 on other ranks)."""
+        buffer (kept for :meth:`_ternary_words`, complete on the leader only); returns the leader's
+        max |node sum + residual| (0.0 on other ranks)."""
         xp = array_module(flat)
         indices = self.packed_indices(b)
         self._apply_mask(b, flat, indices)
@@ -188,30 +172,30 @@ class HierarchicalEngine(StepEngine):
             return 0.0
         return kernels.absmax(xp, total, None, self._residual_for(b, xp, compute, indices))
 
-    def _encode_ternary(self, b, xp, flat, indices, count):
-        scale = self._scales.pop(b, None)
-        if scale is None:
-            local = np.array([self._node_sum(b, flat)])
-            self._agree(local, name=f"pacmpi.scale.{self.buckets[b].name}")
-            scale = local[0]
+    def _unquantized(self, b, xp, flat, indices, count):
+        # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds this
+        # rank's values already), so they propagate as on the dense path.
         total = self._node_sums.pop(b)
-        if not math.isfinite(scale):
-            # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds
-            # this rank's values already), so they propagate as on the dense path.
-            self.stats["nonfinite_fallbacks"] += 1
-            if not self.collectives.is_leader:
-                total[...] = 0
-            return total, Encoded(b, "float", indices, self.generation, count=count)
+        if not self.collectives.is_leader:
+            total[...] = 0
+        return total, Encoded(b, "copy", indices, self.generation, count=count)
+
+    def _ternary_words(self, b, xp, flat, indices, residual, scale, count):
+        # The leader quantizes the node sum, not its own gradient; the others send digit 0
+        # everywhere, which adds nothing to the leaders' digit sums.
+        total = self._node_sums.pop(b)
         if not self.collectives.is_leader:
             words = self._buffer(xp, ("words", b), self.codec.words_for(count),
                                  self.codec.word_dtype)
-            words[...] = 0  # digit 0 everywhere: adds nothing to the leaders' digit sums
-            return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
-                                  count=count)
-        residual = self._residual_for(b, xp, total.dtype, indices)
-        words, new_residual = self._ternary_words(b, xp, total, None, residual, scale, count)
-        return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
-                              count=count, residual=new_residual)
+            words[...] = 0
+            return words, None
+        return super()._ternary_words(b, xp, total, None, residual, scale, count)
+
+    def _residual_for(self, b, xp, compute, indices):
+        # The residual is the node sum's: the leader keeps it, the others none.
+        if not self.collectives.is_leader:
+            return None
+        return super()._residual_for(b, xp, compute, indices)
 
     def state_dict(self):
         """As :meth:`StepEngine.state_dict`, with the node layout the leaders' residuals
@@ -232,6 +216,6 @@ class HierarchicalEngine(StepEngine):
 def hierarchical_wire_bits(ranks_per_node, nodes, word_dtype="uint64"):
     """Ternary bits per value on the wire, flat (codes of every rank summed) vs hierarchical
     (codes of one leader per node): ``{"flat": row, "hierarchical": row}`` with the rows of
-    :func:`pacmpi.wire_bits_table`."""
+    :func:`pacmpi.ternary.wire_bits_table`."""
     flat, hierarchical = wire_bits_table((ranks_per_node * nodes, nodes), word_dtype)
     return {"flat": flat, "hierarchical": hierarchical}

@@ -14,7 +14,8 @@ def main(argv=None):
     from mpi4py import MPI
 
     from . import __version__
-    from .collectives import MPICollectives, half_sum_route
+    from .collectives import MPICollectives
+    from .half_sum import half_sum_route
     from .kernels import backend
     from .ternary import format_wire_bits
 

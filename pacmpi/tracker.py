@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .arrays import array_module as _module_of
 from .hashing import mask_fingerprint
 
-__all__ = ["BucketMaskState", "MaskTracker"]
+__all__ = ["MaskTracker"]
 
 
 @dataclass

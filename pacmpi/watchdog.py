@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from .faults import abort_job
 
-__all__ = ["StallWatchdog", "Heartbeat", "heartbeat_directory"]
+__all__ = ["StallWatchdog"]
 
 _MAGIC = b"PACMPIH1"
 # Native byte order (standard sizes, no padding): the int64 view below writes in it.
@@ -151,7 +151,8 @@ class StallWatchdog:
         if not warn_after or warn_after <= 0:
             raise ValueError(f"warn_after must be a positive number of seconds, got {warn_after!r}")
         if abort_after is not None and abort_after < warn_after:
-            raise ValueError(f"abort_after ({abort_after}) must be at least warn_after ({warn_after})")
+            raise ValueError(f"abort_after ({abort_after}) must be at least "
+                             f"warn_after ({warn_after})")
         if comm is None:
             from mpi4py import MPI
 

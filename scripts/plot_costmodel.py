@@ -2,11 +2,11 @@
 
     python scripts/plot_costmodel.py --fit results/costmodel_fit.json --out-dir results
 
-Writes ``costmodel_predictions.json`` and ``costmodel_speedup.png`` and prints the README's
-markdown tables. Every rank has its own GPU, 4 per node (``--per-node``), nodes on a star of
-per-node links; the speedup is over flat dense fp32 at the same compute per step
-(``--compute``, seconds per model, an assumption the README sources). ``--latency-us`` and
-``--link-efficiency`` replace the test bed's fitted a and eta by a cluster's (the bed's are
+Writes ``costmodel_predictions.json`` and ``costmodel_speedup.png`` and prints the markdown
+tables of docs/cost-model.md. Every rank has its own GPU, 4 per node (``--per-node``), nodes on
+a star of per-node links; the speedup is over flat dense fp32 at the same compute per step
+(``--compute``, seconds per model, an assumption docs/cost-model.md sources). ``--latency-us``
+and ``--link-efficiency`` replace the test bed's fitted a and eta by a cluster's (the bed's are
 those of 2 shared cores moving every packet through the kernel).
 """
 import argparse
@@ -25,7 +25,7 @@ DENSITIES = (0.5, 0.2)
 
 
 def label(method, hierarchical):
-    kind = {"dense-fp32": "dense fp32", "pactrain": "lossless"}.get(method, "ternary")
+    kind = {"dense": "dense fp32", "pactrain": "lossless"}.get(method, "ternary")
     return kind + (" hier." if hierarchical else " flat")
 
 
@@ -35,7 +35,7 @@ def grid(fit, models, per_node, rates, codec):
         for density in DENSITIES:
             for ranks in RANKS:
                 for rate in rates:
-                    for method, hierarchical in (("dense-fp32", True),) + VARIANTS:
+                    for method, hierarchical in (("dense", True),) + VARIANTS:
                         rows.append(predict(fit, ranks=ranks, nodes=ranks // per_node, link=rate,
                                             method=method, density=density, model=model,
                                             hierarchical=hierarchical, compute_s=compute_s,
@@ -54,10 +54,10 @@ def markdown(rows, model):
             if not cells:
                 continue
             speedups = [next(r for r in cells if r["density"] == d and r["method"] == m
-                             and r["hierarchical"] == h)["speedup_vs_dense_fp32"]
-                        for d, m, h in [(DENSITIES[0], "dense-fp32", True)]
+                             and r["hierarchical"] == h)["speedup_vs_dense"]
+                        for d, m, h in [(DENSITIES[0], "dense", True)]
                         + [(d, m, h) for d in DENSITIES for m, h in VARIANTS]]
-            lines.append(f"| {ranks} | {rate} | {cells[0]['dense_fp32_s']:.3f} | "
+            lines.append(f"| {ranks} | {rate} | {cells[0]['dense_s']:.3f} | "
                          + " | ".join(f"{s:.2f}" for s in speedups) + " |")
     return "\n".join(lines)
 
@@ -72,12 +72,12 @@ def plot(rows, models, path):
     for i, model in enumerate(models):
         for j, density in enumerate(DENSITIES):
             ax = axes[i][j]
-            for k, (method, hierarchical) in enumerate((("dense-fp32", True),) + VARIANTS):
+            for k, (method, hierarchical) in enumerate((("dense", True),) + VARIANTS):
                 for ranks in RANKS:
                     mine = [r for r in rows if r["model"] == model and r["density"] == density
                             and r["method"] == method and r["hierarchical"] == hierarchical
                             and r["ranks"] == ranks]
-                    ax.plot([r["link"] for r in mine], [r["speedup_vs_dense_fp32"] for r in mine],
+                    ax.plot([r["link"] for r in mine], [r["speedup_vs_dense"] for r in mine],
                             styles[ranks], color=f"C{k}",
                             label=f"{label(method, hierarchical)}, {ranks} ranks")
             ax.axhline(1.0, color="black", linewidth=0.8)

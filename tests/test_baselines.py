@@ -1,15 +1,22 @@
-"""TernGrad and DGC baselines (``pacmpi.adapters.baselines``): code packing and DGC's selection
+"""TernGrad and DGC baselines (``pacmpi.experiments.baselines``): code packing and DGC's selection
 locally, their invariants on 2 and 4 MPI ranks (``mpi_scripts/baselines_scenarios.py``)."""
 import numpy as np
 import pytest
 import torch
 
-from mpi_util import assert_scenarios_passed, run_mpi  # tests/ is put on sys.path by conftest.py
-from pacmpi.adapters.baselines import (DGCSync, TernGradSync, make_baseline, pack_codes,
-                                       sparsify, unpack_codes)
-from pacmpi.adapters.models import DigitsCNN
+from pacmpi.experiments.baselines import (
+    DGCSync,
+    TernGradSync,
+    make_baseline,
+    pack_codes,
+    sparsify,
+    unpack_codes,
+)
+from pacmpi.experiments.models import DigitsCNN
 
-SCENARIOS = ["terngrad_exact", "terngrad_unbiased", "dgc_dense", "dgc_conservation", "identical"]
+from mpi_util import run_scenarios, scenario_cases  # tests/ is put on sys.path by conftest.py
+
+MODULE = "baselines_scenarios.py"
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 17])
@@ -44,7 +51,7 @@ def test_sparsify_conserves_and_keeps_each_segments_largest():
     (lambda m: DGCSync(m, ratio=1.5), "ratio must be in"),
     (lambda m: DGCSync(m, momentum=1.0), "momentum must be in"),
     (lambda m: TernGradSync(m, clip=0), "clip must be positive"),
-    (lambda m: make_baseline(m, "qsgd"), "method must be one of"),
+    (lambda m: make_baseline(m, "qsgd"), "unknown method 'qsgd'; choose from terngrad, dgc"),
 ])
 def test_bad_arguments_are_refused_before_communicating(factory, message):
     with pytest.raises(ValueError, match=message):
@@ -58,7 +65,6 @@ def test_dgc_keeps_at_least_one_value_per_layer():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_baseline_invariants_under_mpi(ranks):
-    result = run_mpi("baselines_scenarios.py", ranks, *SCENARIOS, timeout=180)
-    assert_scenarios_passed(result, ranks, SCENARIOS)
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, {(2,): None, (4,): None}))
+def test_baseline_invariants_under_mpi(ranks, scenario):
+    run_scenarios(MODULE, ranks, timeout=180).check(scenario)

@@ -4,8 +4,15 @@ import json
 
 import pytest
 
-from pacmpi.adapters.bench_masks import (FAULTS, BenchConfig, caught_in_step, class_groups,
-                                         injection_step, linear_milestones)
+from pacmpi.experiments.bench_masks import (
+    FAULTS,
+    BenchConfig,
+    caught_in_step,
+    class_groups,
+    injection_step,
+    linear_milestones,
+)
+
 from mpi_util import run_mpi
 
 

@@ -8,14 +8,30 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpi_util import netns_skip_reason
 
-from pacmpi.adapters.bench_train import (DDP_METHODS, FULL, MethodSpec, add_tta, build_parser,
-                                         check_nodes, derive, expand_methods, format_table,
-                                         job_command, main, merge_reports, overlap,
-                                         parse_method, speedup, spread, throughput_stats,
-                                         time_to_accuracy)
+from pacmpi.experiments.bench_train import (
+    DDP_METHODS,
+    FULL,
+    MethodSpec,
+    add_tta,
+    build_parser,
+    check_nodes,
+    derive,
+    expand_methods,
+    format_table,
+    job_command,
+    main,
+    merge_reports,
+    overlap,
+    parse_method,
+    speedup,
+    spread,
+    throughput_stats,
+    time_to_accuracy,
+)
 from pacmpi.launch import run_command
+
+from mpi_util import netns_skip_reason
 
 PY = sys.executable
 TINY = ["--ranks", "2", "--epochs", "2", "--width", "8", "--hidden", "64",
@@ -61,32 +77,32 @@ def test_speedup():
 
 def test_add_tta_targets_dense_and_fills_speedups():
     runs = {
-        "dense-fp32": {"final_accuracy": 0.98, "curve": _curve([(40, 36, 0.95), (80, 72, 0.98)])},
-        "dense-fp16": {"final_accuracy": 0.98, "curve": _curve([(20, 18, 0.95), (40, 36, 0.98)])},
+        "dense": {"final_accuracy": 0.98, "curve": _curve([(40, 36, 0.95), (80, 72, 0.98)])},
+        "fp16": {"final_accuracy": 0.98, "curve": _curve([(20, 18, 0.95), (40, 36, 0.98)])},
         "pactrain-0.8": {"final_accuracy": 0.97,
                          "curve": _curve([(5, 4, 0.961), (10, 8, 0.97)])},
         "topk-1%": {"final_accuracy": 0.90, "curve": _curve([(8, 7, 0.85), (16, 14, 0.90)])},
     }
     target = add_tta(runs, 0.98)
     assert target == pytest.approx(0.98 * 0.98)  # 0.9604
-    assert runs["dense-fp32"]["tta_seconds"] == 80 and runs["dense-fp32"]["tta_epoch"] == 1
-    assert runs["dense-fp16"]["tta_seconds"] == 40
+    assert runs["dense"]["tta_seconds"] == 80 and runs["dense"]["tta_epoch"] == 1
+    assert runs["fp16"]["tta_seconds"] == 40
     pt = runs["pactrain-0.8"]
     assert (pt["tta_seconds"], pt["tta_train_seconds"], pt["tta_epoch"]) == (5, 4, 0)
-    assert pt["speedup_vs_dense_fp32"] == 16.0 and pt["speedup_vs_dense_fp16"] == 8.0
-    assert pt["train_speedup_vs_dense_fp32"] == 18.0 and pt["train_speedup_vs_dense_fp16"] == 9.0
-    assert runs["dense-fp32"]["speedup_vs_dense_fp32"] == 1.0
-    assert runs["dense-fp32"]["speedup_vs_dense_fp16"] == 0.5
+    assert pt["speedup_vs_dense"] == 16.0 and pt["speedup_vs_fp16"] == 8.0
+    assert pt["train_speedup_vs_dense"] == 18.0 and pt["train_speedup_vs_fp16"] == 9.0
+    assert runs["dense"]["speedup_vs_dense"] == 1.0
+    assert runs["dense"]["speedup_vs_fp16"] == 0.5
     topk = runs["topk-1%"]
     assert topk["reached_target"] is False and topk["tta_seconds"] is None
-    assert topk["speedup_vs_dense_fp32"] is None and topk["speedup_vs_dense_fp16"] is None
+    assert topk["speedup_vs_dense"] is None and topk["speedup_vs_fp16"] is None
 
 
 def test_add_tta_without_dense_run_reports_nothing():
     runs = {"pactrain-0.8": {"final_accuracy": 0.97, "curve": _curve([(5, 4, 0.97)])}}
     assert add_tta(runs, 0.98) is None
     assert runs["pactrain-0.8"]["tta_seconds"] is None
-    assert runs["pactrain-0.8"]["speedup_vs_dense_fp32"] is None
+    assert runs["pactrain-0.8"]["speedup_vs_dense"] is None
 
 
 def test_throughput_stats_interval_brackets_mean():
@@ -100,12 +116,15 @@ def test_throughput_stats_interval_brackets_mean():
 
 
 def test_parse_method_labels_and_negative_controls():
-    assert parse_method("dense-fp32") == MethodSpec("dense-fp32", "dense", 0.0)
-    assert parse_method("dense-fp16", 0.5) == MethodSpec("dense-fp16", "fp16", 0.5)
+    assert parse_method("dense") == MethodSpec("dense", "dense", 0.0)
+    assert parse_method("fp16", 0.5) == MethodSpec("fp16", "fp16", 0.5)
+    # The spellings before one vocabulary still parse, to today's labels.
+    assert parse_method("dense-fp32") == MethodSpec("dense", "dense", 0.0)
+    assert parse_method("dense-fp16", 0.5) == MethodSpec("fp16", "fp16", 0.5)
     assert parse_method("topk-1%") == MethodSpec("topk-1%", "topk", 0.0, 0.01)
     assert parse_method("pactrain-0.8") == MethodSpec("pactrain-0.8", "pactrain", 0.8)
     assert parse_method("pactrain-ternary-0.8").method == "pactrain-ternary"
-    for bad in ("dense", "topk-0%", "topk-1", "pactrain-1.0", "pactrain-ternary", "fp16"):
+    for bad in ("dense-fp8", "topk-0%", "topk-1", "pactrain-1.0", "pactrain-ternary", "fp32"):
         with pytest.raises(ValueError, match="unknown method label"):
             parse_method(bad)
 
@@ -147,7 +166,7 @@ def test_method_presets_expand():
     assert DDP_METHODS == ("ddp-dense", "ddp-fp16", "ddp-powersgd-1", "ddp-powersgd-4",
                            "ddp-pactrain-0.5", "ddp-pactrain-0.8", "ddp-pactrain-ternary-0.8")
     args = build_parser().parse_args(["--methods", "dense-fp32,dense-fp16,ddp", "--no-sweep"])
-    assert args.methods == ("dense-fp32", "dense-fp16") + DDP_METHODS and args.no_sweep
+    assert args.methods == ("dense", "fp16") + DDP_METHODS and args.no_sweep  # old spellings
     # Duplicates (a preset member named again) run once, in first-seen order.
     assert expand_methods(["ddp-pactrain-0.8", "ddp", "default"])[:2] == (
         "ddp-pactrain-0.8", "ddp-dense")
@@ -167,7 +186,7 @@ def test_job_command_lines(monkeypatch, tmp_path):
     """MPI rows under mpirun, DDP rows under torchrun (its workers on the test bed's lo)."""
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # dry runs need no root
     venv = str(Path(PY).parent)
-    train = [PY, "-m", "pacmpi.adapters.train", "--dataset", "digits", "--model", "digits_cnn",
+    train = [PY, "-m", "pacmpi.experiments.train", "--dataset", "digits", "--model", "digits_cnn",
              "--width", "32",
              "--hidden", "1024", "--pretrain-epochs", "1", "--pretrained", "pre.pt", "--epochs",
              "8", "--batch-size", "32", "--lr", "0.01", "--seed", "0", "--no-progress",
@@ -208,10 +227,10 @@ def test_add_tta_against_ddp_default_and_without_dense_fp32():
     assert add_tta(runs, 0.98) == pytest.approx(0.98 * 0.98)  # the target from ddp-dense
     run = runs["ddp-pactrain-ternary-0.8"]
     assert run["speedup_vs_ddp_dense"] == 16.0 and run["train_speedup_vs_ddp_dense"] == 18.0
-    assert run["speedup_vs_dense_fp32"] is None  # did not run
-    runs["dense-fp32"] = {"final_accuracy": 0.5, "curve": _curve([(100, 90, 0.5)])}
+    assert run["speedup_vs_dense"] is None  # did not run
+    runs["dense"] = {"final_accuracy": 0.5, "curve": _curve([(100, 90, 0.5)])}
     assert add_tta(runs, 0.98) == pytest.approx(0.49)  # dense fp32 sets it when it ran
-    assert runs["ddp-dense"]["speedup_vs_dense_fp32"] == 100 / 40
+    assert runs["ddp-dense"]["speedup_vs_dense"] == 100 / 40
 
 
 def test_help_lists_the_default_methods(capsys):
@@ -239,8 +258,8 @@ def test_quick_benchmark_writes_json_table_and_plots(tmp_path, cache_dir, capsys
     assert report["notes"] and report["total_seconds"] > 0
     block = report["rates"]["none"]
     assert block["status"] == "ok" and not block["failed"] and block["calibration"] == []
-    assert set(block["runs"]) == {"dense-fp32", "dense-fp16", "pactrain-0.8"}
-    dense = block["runs"]["dense-fp32"]
+    assert set(block["runs"]) == {"dense", "fp16", "pactrain-0.8"}
+    dense = block["runs"]["dense"]
     assert block["target_accuracy"] == pytest.approx(0.98 * dense["final_accuracy"])
     for label, run in block["runs"].items():
         assert len(run["curve"]) == 2
@@ -250,7 +269,7 @@ def test_quick_benchmark_writes_json_table_and_plots(tmp_path, cache_dir, capsys
         assert run["throughput"]["ci95_low"] <= run["throughput"]["mean"]
         assert set(run["step_seconds"]) >= {"seconds", "compute", "pack", "comm", "unpack"}
         assert run["bytes_per_step"] > 0 and run["dense_fallbacks"] >= 0
-        for base in ("dense_fp32", "dense_fp16"):
+        for base in ("dense", "fp16"):
             base_tta = block["runs"][base.replace("_", "-")]["tta_seconds"]
             expected = (None if base_tta is None or run["tta_seconds"] is None
                         else base_tta / run["tta_seconds"])
@@ -259,12 +278,12 @@ def test_quick_benchmark_writes_json_table_and_plots(tmp_path, cache_dir, capsys
     packed = block["runs"]["pactrain-0.8"]
     assert packed["density"] == pytest.approx(0.2, abs=0.01)
     assert packed["bytes_per_step"] < 0.35 * dense["bytes_per_step"]
-    assert block["runs"]["dense-fp16"]["bytes_per_step"] < 0.55 * dense["bytes_per_step"]
+    assert block["runs"]["fp16"]["bytes_per_step"] < 0.55 * dense["bytes_per_step"]
 
     sweep = report["ratio_sweep"]
     assert [p["ratio"] for p in sweep["points"]] == [0.0, 0.8]
     # Both points reuse the runs above: ratio 0 is the dense run, 0.8 the PacTrain one.
-    assert [p["label"] for p in sweep["points"]] == ["dense-fp32", "pactrain-0.8"]
+    assert [p["label"] for p in sweep["points"]] == ["dense", "pactrain-0.8"]
     assert sweep["points"][1]["final_accuracy"] == packed["final_accuracy"]
 
     assert set(report["plots"]) == {"accuracy_vs_time", "tta_speedup", "step_breakdown",
@@ -295,7 +314,7 @@ def test_quick_ddp_rows_under_torchrun(tmp_path, cache_dir, capsys):
         assert len(run["curve"]) == 2 and 0 <= run["final_accuracy"] <= 1
         assert run["throughput"]["mean"] > 0 and run["link_bytes_per_step"] > 0
     assert block["target_accuracy"] == pytest.approx(0.98 * dense["final_accuracy"])
-    assert dense["speedup_vs_ddp_dense"] == 1.0 and dense["speedup_vs_dense_fp32"] is None
+    assert dense["speedup_vs_ddp_dense"] == 1.0 and dense["speedup_vs_dense"] is None
     assert dense["bytes_per_step"] == dense["dense_bytes_per_step"]
     assert ternary["bytes_per_step"] < 0.1 * dense["bytes_per_step"]
     assert ternary["density"] == pytest.approx(0.2, abs=0.01) and ternary["packed_reductions"] > 0
@@ -333,12 +352,12 @@ def test_node_jobs_run_mpirun_from_node_0_with_the_dataset(monkeypatch):
     (dict(nodes=1), "--nodes must be an integer >= 2, got 1"),
     (dict(nodes=2, rates=("100mbit", "none")), "rate 'none'"),
     (dict(nodes=2, sweep_rate="none"), "rate 'none'"),
-    (dict(nodes=2, labels=("dense-fp32", "ddp-dense")), r"\['ddp-dense'\] run under torchrun"),
+    (dict(nodes=2, labels=("dense", "ddp-dense")), r"\['ddp-dense'\] run under torchrun"),
     (dict(nodes=None, topology="star"), "--topology star applies to --nodes K"),
 ])
 def test_node_options_are_refused_with_the_bad_value(kwargs, message):
     args = {"nodes": 2, "topology": None, "ranks": 4, "rates": ("100mbit",), "sweep_rate": None,
-            "labels": ("dense-fp32",), **kwargs}
+            "labels": ("dense",), **kwargs}
     specs = [parse_method(label) for label in args.pop("labels")]
     with pytest.raises(ValueError, match=message):
         check_nodes(**args, specs=specs)
@@ -358,7 +377,7 @@ def test_node_options_reach_the_command_line_errors(capsys):
 
 
 def test_table_header_names_nodes_and_topology():
-    runs = {"dense-fp32": {"final_accuracy": 0.9, "curve": _curve([(1, 1, 0.9)]),
+    runs = {"dense": {"final_accuracy": 0.9, "curve": _curve([(1, 1, 0.9)]),
                            "throughput": {"mean": 10.0, "ci95_low": 9.0, "ci95_high": 11.0},
                            "step_seconds": dict.fromkeys(("seconds", "compute", "pack", "comm",
                                                           "unpack"), 0.1),
@@ -393,13 +412,13 @@ def test_quick_run_on_two_nodes(tmp_path, cache_dir, capsys):
     assert report["config"]["nodes"] == 2 and report["config"]["topology"] == "star"
     assert any("Node test bed" in note for note in report["notes"])
     block = report["rates"]["100mbit"]
-    assert set(block["runs"]) == {"dense-fp32", "pactrain-ternary-0.8"}
+    assert set(block["runs"]) == {"dense", "pactrain-ternary-0.8"}
     assert len(block["calibration"]) == 2  # one per job
     for calibration in block["calibration"]:
         assert calibration["topology"] == "star" and calibration["n"] == 2
         assert abs(calibration["ratio"] - 1) <= 0.15
     runs = block["runs"]
-    assert runs["pactrain-ternary-0.8"]["bytes_per_step"] < runs["dense-fp32"]["bytes_per_step"]
+    assert runs["pactrain-ternary-0.8"]["bytes_per_step"] < runs["dense"]["bytes_per_step"]
     assert "== link 100mbit (2 ranks on 2 nodes, star topology) ==" in printed
 
 
@@ -444,7 +463,7 @@ def _seed_runs(points_by_seed):
 
 
 def _report(seed_runs):
-    return {"config": {"seeds": sorted(map(int, seed_runs)), "methods": ["dense-fp32", "pt"],
+    return {"config": {"seeds": sorted(map(int, seed_runs)), "methods": ["dense", "pt"],
                        "rates": ["none"], "target_fraction": 0.98, "seed": 0, "ranks": 4,
                        "epochs": 2},
             "seed_runs": seed_runs, "rates": seed_runs[min(seed_runs, key=int)],
@@ -453,12 +472,12 @@ def _report(seed_runs):
 
 def test_repeats_median_range_and_ties_per_seed_targets():
     report = _report(_seed_runs({
-        0: {"dense-fp32": (0.98, [(40, 0.95), (80, 0.98)]), "pt": (0.97, [(10, 0.97)])},
-        1: {"dense-fp32": (0.98, [(50, 0.98)]), "pt": (0.97, [(5, 0.90), (30, 0.97)])},
-        2: {"dense-fp32": (0.99, [(60, 0.99)]), "pt": (0.96, [(20, 0.96)])},  # target 0.9702
+        0: {"dense": (0.98, [(40, 0.95), (80, 0.98)]), "pt": (0.97, [(10, 0.97)])},
+        1: {"dense": (0.98, [(50, 0.98)]), "pt": (0.97, [(5, 0.90), (30, 0.97)])},
+        2: {"dense": (0.99, [(60, 0.99)]), "pt": (0.96, [(20, 0.96)])},  # target 0.9702
     }))
     derive(report, 0.98)
-    dense, pt = report["repeats"]["none"]["dense-fp32"], report["repeats"]["none"]["pt"]
+    dense, pt = report["repeats"]["none"]["dense"], report["repeats"]["none"]["pt"]
     assert dense["seeds"] == pt["seeds"] == ["0", "1", "2"]
     assert dense["tta_seconds"] == {"values": [80, 50, 60], "n": 3, "median": 60, "min": 50,
                                     "max": 80}
@@ -466,15 +485,15 @@ def test_repeats_median_range_and_ties_per_seed_targets():
     assert pt["tta_seconds"] == {"values": [10, 30, None], "n": 2, "median": 20, "min": 10,
                                  "max": 30}
     assert pt["reached"] == 2 and dense["reached"] == 3
-    assert pt["speedup_vs_dense_fp32"]["values"] == [8.0, pytest.approx(50 / 30), None]
+    assert pt["speedup_vs_dense"]["values"] == [8.0, pytest.approx(50 / 30), None]
     assert pt["final_accuracy"]["median"] == 0.97 and pt["final_accuracy"]["min"] == 0.96
     assert dense["samples_per_second"]["values"] == [10.0, 11.0, 12.0]
     # [10, 30] s against [50, 80] s: no overlap, no tie; accuracy [0.96, 0.97] vs [0.98, 0.99]
     assert pt["tta_ties"] == [] and dense["tta_ties"] == [] and pt["accuracy_ties"] == []
     report["seed_runs"]["1"]["none"]["runs"]["pt"]["curve"] = _curve([(55, 55, 0.97)])
     derive(report, 0.98)
-    assert report["repeats"]["none"]["pt"]["tta_ties"] == ["dense-fp32"]
-    assert report["repeats"]["none"]["dense-fp32"]["tta_ties"] == ["pt"]
+    assert report["repeats"]["none"]["pt"]["tta_ties"] == ["dense"]
+    assert report["repeats"]["none"]["dense"]["tta_ties"] == ["pt"]
 
 
 def test_spread_and_overlap_edges():
@@ -486,22 +505,32 @@ def test_spread_and_overlap_edges():
 
 
 def test_merge_joins_seeds_and_refuses_duplicates_and_other_workloads():
+    # a: written before one vocabulary (dense was "dense-fp32", with its speedup keys)
     a = _report(_seed_runs({0: {"dense-fp32": (0.98, [(40, 0.98)])}}))
-    b = _report(_seed_runs({1: {"dense-fp32": (0.97, [(45, 0.97)])}}))
+    a["config"]["methods"] = ["dense-fp32", "pt"]
+    a["seed_runs"]["0"]["none"]["runs"]["dense-fp32"]["speedup_vs_dense_fp32"] = 1.0
+    b = _report(_seed_runs({1: {"dense": (0.97, [(45, 0.97)])}}))
     c = _report(_seed_runs({1: {"pt": (0.96, [(5, 0.96)])}}))
     merged = derive(merge_reports([a, b, c]), 0.98)
-    assert merged["config"]["seeds"] == [0, 1]
-    assert set(merged["seed_runs"]["1"]["none"]["runs"]) == {"dense-fp32", "pt"}
-    assert merged["repeats"]["none"]["dense-fp32"]["tta_seconds"]["values"] == [40, 45]
+    assert merged["config"]["seeds"] == [0, 1] and merged["config"]["methods"] == ["dense", "pt"]
+    assert set(merged["seed_runs"]["0"]["none"]["runs"]) == {"dense"}
+    assert set(merged["seed_runs"]["1"]["none"]["runs"]) == {"dense", "pt"}
+    old_dense = merged["seed_runs"]["0"]["none"]["runs"]["dense"]
+    assert old_dense["label"] == "dense" and old_dense["speedup_vs_dense"] == 1.0
+    assert "speedup_vs_dense_fp32" not in old_dense
+    assert merged["repeats"]["none"]["dense"]["tta_seconds"]["values"] == [40, 45]
     assert merged["repeats"]["none"]["pt"]["seeds"] == ["1"]
+    assert "dense-fp32" in a["seed_runs"]["0"]["none"]["runs"]  # the inputs are left as they were
     with pytest.raises(ValueError, match="ran in two reports"):
         merge_reports([a, a])
-    other = _report(_seed_runs({2: {"dense-fp32": (0.98, [(40, 0.98)])}}))
+    with pytest.raises(ValueError, match=r"seed 0, rate none: \['dense'\] ran in two reports"):
+        merge_reports([a, _report(_seed_runs({0: {"dense": (0.98, [(40, 0.98)])}}))])
+    other = _report(_seed_runs({2: {"dense": (0.98, [(40, 0.98)])}}))
     other["config"]["epochs"] = 5
     with pytest.raises(ValueError, match="workload differs in \\['epochs'\\]"):
         merge_reports([a, other])
     # A report from before --dataset existed ran the digits; it merges with digits, not others.
-    old = _report(_seed_runs({3: {"dense-fp32": (0.98, [(40, 0.98)])}}))
+    old = _report(_seed_runs({3: {"dense": (0.98, [(40, 0.98)])}}))
     old["config"].pop("dataset", None)
     a["config"]["dataset"] = "digits"
     assert merge_reports([a, old])["config"]["seeds"] == [0, 3]
@@ -523,10 +552,10 @@ def test_seeds_keep_every_run_and_report_median_and_range(tmp_path, cache_dir, c
     finals = {}
     for seed, rates in report["seed_runs"].items():
         runs = rates["none"]["runs"]
-        assert set(runs) == {"dense-fp32", "terngrad"}
+        assert set(runs) == {"dense", "terngrad"}
         assert all(run["seed"] == int(seed) for run in runs.values())
         finals[seed] = runs["terngrad"]["final_accuracy"]
-        assert runs["terngrad"]["bytes_per_step"] < 0.1 * runs["dense-fp32"]["bytes_per_step"]
+        assert runs["terngrad"]["bytes_per_step"] < 0.1 * runs["dense"]["bytes_per_step"]
     row = report["repeats"]["none"]["terngrad"]
     assert row["final_accuracy"]["values"] == [finals["0"], finals["1"]]
     assert row["final_accuracy"]["median"] == pytest.approx((finals["0"] + finals["1"]) / 2)
@@ -536,7 +565,7 @@ def test_seeds_keep_every_run_and_report_median_and_range(tmp_path, cache_dir, c
 
 
 def test_bias_table_separates_error_and_says_whether_error_feedback_matters():
-    from pacmpi.adapters.bench_bias import bias_table, format_bias
+    from pacmpi.experiments.bench_bias import bias_table, format_bias
 
     def bias(relative, p99):
         return {"median_relative_error": relative, "median_p99_abs_error": p99,

@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pacmpi import BucketLayout
 from pacmpi.arrays import supported_float_dtypes
+from pacmpi.buckets import BucketLayout
 
 from xp_util import ARRAY_MODULES, asnumpy
 

@@ -1,14 +1,13 @@
-"""PacTrainReducer across 2 and 4 real MPI ranks (each run bounded by a timeout)."""
+"""PacTrainReducer across 2 and 4 real MPI ranks: each scenario of
+mpi_scripts/core_scenarios.py reported on its own, one bounded launch per rank count."""
 import pytest
 
-from mpi_util import assert_scenarios_passed, run_mpi
+from mpi_util import run_scenarios, scenario_cases
 
-SCENARIOS = ["exact", "ternary", "mismatch", "resync", "layout", "bad_input", "edges",
-             "mask_change", "state"]
+MODULE = "core_scenarios.py"
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_core_scenarios(ranks):
-    result = run_mpi("core_scenarios.py", ranks, *SCENARIOS, timeout=240)
-    assert_scenarios_passed(result, ranks, SCENARIOS)
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, {(2,): None, (4,): None}))
+def test_core_scenario(ranks, scenario):
+    run_scenarios(MODULE, ranks, timeout=240).check(scenario)

@@ -1,4 +1,4 @@
-"""Tests for pacmpi.adapters.data and pacmpi.adapters.models."""
+"""Tests for pacmpi.experiments.data and pacmpi.experiments.models."""
 import importlib.util
 import json
 import pickle
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Subset, TensorDataset
 
-from pacmpi.adapters.data import (
+from pacmpi.adapters.pruning import named_prunable_parameters, prune
+from pacmpi.experiments.data import (
     CIFAR10_BATCHES,
     iterate_minibatches,
     load_cifar10,
@@ -19,9 +20,15 @@ from pacmpi.adapters.data import (
     load_digits_split,
     shard,
 )
-from pacmpi.adapters.models import (MODELS, CifarCNN, DigitsCNN, MLP, ResNet18, build_model,
-                                    count_parameters)
-from pacmpi.adapters.pruning import named_prunable_parameters, prune
+from pacmpi.experiments.models import (
+    MLP,
+    MODELS,
+    CifarCNN,
+    DigitsCNN,
+    ResNet18,
+    build_model,
+    count_parameters,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,7 +235,8 @@ def test_count_parameters_and_deterministic_init():
         a = cls()
         torch.manual_seed(7)
         b = cls()
-        assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+        assert all(torch.equal(p, q)
+                   for p, q in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def test_resnet18_parameter_count_structure_and_pruning():
@@ -260,8 +268,9 @@ def test_training_job_runs_resnet18_on_digits32(tmp_path):
     """``pacmpi train --dataset digits32`` defaults to the ResNet-18 with one input channel and
     takes real PacTrain steps with it (one process: an MPI singleton)."""
     out = tmp_path / "run.json"
-    done = subprocess.run([sys.executable, "-m", "pacmpi.adapters.train", "--dataset", "digits32",
-                           "--width", "4", "--pretrain-epochs", "0", "--epochs", "1",
+    done = subprocess.run([sys.executable, "-m", "pacmpi.experiments.train",
+                           "--dataset", "digits32", "--width", "4", "--pretrain-epochs", "0",
+                           "--epochs", "1",
                            "--max-steps", "2", "--ratio", "0.5", "--no-progress", "--json",
                            str(out)], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,81 +1,64 @@
 """PacTrain's DDP communication hook (``pacmpi.adapters.ddp``) and ``pacmpi train --backend
 ddp`` under torchrun (gloo), on 2 and 4 ranks.
 
-Each launch runs several scenarios of tests/mpi_scripts/ddp_scenarios.py (a launch costs
-seconds); a hang fails the test at its timeout, and every rank must report its outcome.
+Each scenario of tests/mpi_scripts/ddp_scenarios.py is reported on its own; one launch per rank
+count runs them (a launch costs seconds), and a hang fails what it had not reported at its
+timeout.
+
+match: after k steps the hooked model equals DDP's default all-reduce of masked grads bit for
+bit (integer data), with rebuilt buckets, static_graph, gradient_as_bucket_view,
+find_unused_parameters and verify_every=2; pruned weights and reduced grads stay 0; ranks end
+bit-identical. accumulate: no_sync. prune: torch.nn.utils.prune's logical names. dtypes:
+float32 + float64 parameters. ternary: lowers a least-squares loss. unbiased: the mean of 300
+decoded ternary averages is within the noise of the exact average, and a biased rounding is
+not. checkpoint: state_dict / pickle + bind resume bit for bit (lossless and ternary), a
+checkpoint that does not fit fails on every rank. errors: a bad mask shape on one rank, bad
+keys, bad options raise RankInputError on every rank; DDP buckets that differ between ranks
+raise LayoutMismatchError from backward() on every rank, no hang. resync: on_mismatch="resync"
+adopts rank 0's masks. mismatch: the last rank moves its survivors at step 2 (same count):
+every rank raises MaskMismatchError naming it, before anything is summed. On 4 ranks: base-9
+ternary words, exactness, checkpoints, layout errors, mismatch.
 """
 import os
-import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from mpi_util import assert_mismatch_reported, run_torchrun
+from mpi_util import run_scenarios, scenario_cases, scenario_names
 
 pytest.importorskip("torch.distributed")
 
-SCRIPT = "ddp_scenarios.py"
+MODULE = "ddp_scenarios.py"
 TIMEOUT = 150  # generous: ranks share 2 cores; a hang still fails
-SCENARIOS = ("match", "accumulate", "prune", "dtypes", "ternary", "unbiased", "checkpoint",
-             "errors", "resync")
+FOUR_RANKS = ("test_match", "test_ternary", "test_unbiased", "test_checkpoint", "test_errors",
+              "test_mismatch")
+LAUNCHES = {(2,): None, (4,): FOUR_RANKS}
 
 
 def output(result):
     return f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
-def assert_passed(result, scenarios, n):
-    for scenario in scenarios:
-        for rank in range(n):
-            assert f"OK {scenario} rank {rank}" in result.stdout, output(result)
+@pytest.mark.timeout(2 * TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, LAUNCHES))
+def test_ddp_scenario(ranks, scenario):
+    run_scenarios(MODULE, ranks, "torchrun", only=LAUNCHES[ranks,],
+                  timeout=2 * TIMEOUT).check(scenario)
 
 
-def test_scenarios_on_two_ranks():
-    """match: after k steps the hooked model equals DDP's default all-reduce of masked grads bit
-    for bit (integer data), with rebuilt buckets, static_graph, gradient_as_bucket_view,
-    find_unused_parameters and verify_every=2; pruned weights and reduced grads stay 0; ranks
-    end bit-identical. accumulate: no_sync. prune: torch.nn.utils.prune's logical names.
-    dtypes: float32 + float64 parameters. ternary: lowers a least-squares loss. unbiased: the
-    mean of 300 decoded ternary averages is within the noise of the exact average, and a
-    biased rounding is not. checkpoint: state_dict / pickle + bind resume bit for bit (lossless
-    and ternary), a checkpoint that does not fit fails on every rank. errors: a bad mask shape
-    on one rank, bad keys, bad options raise RankInputError on every rank; DDP buckets that
-    differ between ranks raise LayoutMismatchError from backward() on every rank, no hang.
-    resync: on_mismatch="resync" adopts rank 0's masks."""
-    result = run_torchrun(SCRIPT, 2, *SCENARIOS, timeout=TIMEOUT)
-    assert result.returncode == 0, output(result)
-    assert_passed(result, SCENARIOS, 2)
+@pytest.fixture(scope="module")
+def train_workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ddp-train"))
 
 
-def test_divergent_masks_fail_on_every_rank():
-    """The last rank moves its survivors at step 2 (same count): every rank raises
-    MaskMismatchError naming it, before anything is summed, and the job exits non-zero."""
-    result = run_torchrun(SCRIPT, 2, "mismatch", timeout=TIMEOUT)
-    assert_mismatch_reported(result, 2, "b.weight")
-
-
-def test_four_ranks():
-    """Base-9 ternary words on 4 ranks, exactness, checkpoints, layout errors, mismatch."""
-    scenarios = ("match", "ternary", "unbiased", "checkpoint", "errors")
-    result = run_torchrun(SCRIPT, 4, *scenarios, "mismatch", timeout=2 * TIMEOUT)
-    assert_passed(result, scenarios, 4)
-    assert_mismatch_reported(result, 4, "b.weight")
-
-
-def test_train_job_under_torchrun(tmp_path):
+@pytest.mark.parametrize("scenario", scenario_names("ddp_train_scenarios.py"))
+def test_train_job_under_torchrun(train_workdir, scenario):
     """``pacmpi train --backend ddp`` with every DDP method for 4 steps on 2 ranks: weights
     equal on every rank, and the bytes per step in the expected order."""
-    result = run_torchrun("ddp_train_job.py", 2, tmp_path, timeout=TIMEOUT)
-    assert result.returncode == 0, output(result)
-    methods = ("pactrain", "pactrain-ternary", "dense", "fp16", "powersgd", "powersgd-4")
-    assert_passed(result, methods, 2)
-    sent = {m: int(b) for m, b in re.findall(r"BYTES (\S+) (\d+)", result.stdout)}
-    assert sent["fp16"] * 2 == sent["dense"], sent
-    assert sent["pactrain-ternary"] < sent["pactrain"] < sent["dense"], sent
-    assert sent["powersgd"] < sent["powersgd-4"] < sent["dense"], sent
-    assert "method pactrain" in result.stdout and "bytes sent per step" in result.stdout
+    run_scenarios("ddp_train_scenarios.py", 2, "torchrun", timeout=TIMEOUT,
+                  env=(("PACMPI_TEST_WORKDIR", train_workdir),)).check(scenario)
 
 
 def test_train_backend_ddp_without_torchrun(tmp_path):
@@ -95,7 +78,7 @@ def test_train_backend_ddp_without_torchrun(tmp_path):
 
 
 def test_bad_configurations_are_refused():
-    from pacmpi.adapters.train import _config
+    from pacmpi.experiments.train import _config
 
     for config, message in (({"backend": "ddp", "method": "topk"}, "--backend ddp supports"),
                             ({"method": "powersgd"}, "use --backend ddp"),

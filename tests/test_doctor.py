@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy
 import pytest
 
-from mpi_util import netns_skip_reason
 from pacmpi.launch import doctor
+
+from mpi_util import netns_skip_reason
 
 PY = sys.executable
 VENV_BIN = str(Path(PY).parent)

@@ -18,9 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from mpi_util import MPI_SCRIPTS, mpirun_argv, run_mpi
 from pacmpi import faults
 from pacmpi.watchdog import StallWatchdog, heartbeat_directory
+
+from mpi_util import MPI_SCRIPTS, mpirun_argv, run_mpi
 
 HOST = socket.gethostname()
 FAILURE_BOUND_S = 30  # the bound on time to failure

@@ -1,9 +1,10 @@
 """float16/bfloat16 all-reduce sums: the compiled operation is exactly NumPy's addition.
 
-The kernels are called directly on buffers (no MPI) over every float16/bfloat16 bit pattern
-against special values and over random pairs; the MPI routes (compiled, native, Python and
-the fallback without Numba) are checked under mpirun by ``mpi_scripts/half_allreduce.py``.
+The compiled functions are called directly on buffers (no MPI) over every float16/bfloat16 bit
+pattern against special values and over random pairs; the MPI routes (compiled, native, Python
+and the fallback without Numba) are checked under mpirun by ``mpi_scripts/half_allreduce.py``.
 """
+import ctypes
 import re
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import sys
 import numpy as np
 import pytest
 
+from pacmpi import half_sum
+
 from mpi_util import run_mpi
-from pacmpi import collectives as coll
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -63,13 +65,24 @@ def assert_same_sums(name, got, want):
                            zip(got[~want_nan][bad[:5]], want[~want_nan][bad[:5]])]
 
 
+def call(function, invec, inoutvec):
+    """Run a compiled MPI_User_function on two uint16 views of one length, without MPI."""
+    assert invec.dtype == inoutvec.dtype == np.uint16 and invec.size == inoutvec.size
+    assert invec.flags.c_contiguous and inoutvec.flags.c_contiguous
+    length = ctypes.c_int32(invec.size)
+    function.ctypes(invec.ctypes.data, inoutvec.ctypes.data, ctypes.byref(length), None)
+
+
 @pytest.fixture(scope="module")
 def kernels():
+    """dtype name -> compiled sum, by conversion route: bit manipulation (what CPUs without
+    half<->float instructions run) and, where this CPU has them, hardware."""
     pytest.importorskip("numba")
-    from pacmpi.kernels.cpu import hardware_half_conversions
-    variants = {False: coll._build_numba_half_kernels(hardware=False)}
+    from pacmpi.kernels.cpu import half_sum_function, hardware_half_conversions
+    names = ("float16", "bfloat16")
+    variants = {False: {name: half_sum_function(name, soft=True) for name in names}}
     if hardware_half_conversions():
-        variants[True] = coll._build_numba_half_kernels(hardware=True)
+        variants[True] = {name: half_sum_function(name) for name in names}
     return variants
 
 
@@ -82,7 +95,7 @@ def test_compiled_sum_is_numpys_addition(kernels, name, hardware):
     by_numpy, by_definition = reference(name, a, b)
     assert_same_sums(name, by_definition, by_numpy)  # the definition the kernels implement
     got = b.copy()
-    coll.call_half_kernel(kernels[hardware][name], a, got)
+    call(kernels[hardware][name], a, got)
     assert_same_sums(name, got, by_numpy)
 
 
@@ -99,7 +112,7 @@ def test_compiled_sum_special_cases(kernels, name):
         (np.nan, 1.0, np.nan), (-np.inf, -np.inf, -np.inf)]
     inout = np.array([c[0] for c in cases], dtype=dtype)
     inp = np.array([c[1] for c in cases], dtype=dtype)
-    coll.call_half_kernel(kernel, inp.view(np.uint16), inout.view(np.uint16))
+    call(kernel, inp.view(np.uint16), inout.view(np.uint16))
     got = inout.astype(np.float64)
     want = np.array([c[2] for c in cases], dtype=np.float64)
     np.testing.assert_array_equal(got, want)
@@ -107,25 +120,17 @@ def test_compiled_sum_special_cases(kernels, name):
     np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))
 
 
-def test_kernel_call_checks_its_buffers(kernels):
-    kernel = kernels[False]["float16"]
-    with pytest.raises(ValueError, match="uint16"):
-        coll.call_half_kernel(kernel, np.zeros(4, np.float16), np.zeros(4, np.uint16))
-    with pytest.raises(ValueError, match="one length"):
-        coll.call_half_kernel(kernel, np.zeros(4, np.uint16), np.zeros(3, np.uint16))
-
-
 def test_route_choice_is_validated(monkeypatch):
-    monkeypatch.setenv(coll.HALF_SUM_ENV, "fast")
+    monkeypatch.setenv(half_sum.HALF_SUM_ENV, "fast")
     with pytest.raises(ValueError, match="PACMPI_HALF_SUM='fast'"):
-        coll._half_sum_choice()
+        half_sum._choice()
     for choice in ("", "auto", "Numba", "native", "python"):
-        monkeypatch.setenv(coll.HALF_SUM_ENV, choice)
-        assert coll._half_sum_choice() == (choice.lower() or "auto")
+        monkeypatch.setenv(half_sum.HALF_SUM_ENV, choice)
+        assert half_sum._choice() == (choice.lower() or "auto")
 
 
 def test_importing_pacmpi_loads_neither_numba_nor_mpi():
-    code = ("import sys, pacmpi, pacmpi.collectives; "
+    code = ("import sys, pacmpi, pacmpi.collectives, pacmpi.half_sum; "
             "assert 'numba' not in sys.modules and 'mpi4py.MPI' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -2,52 +2,68 @@
 communicators split as rank // ranks-per-node (2 x 1, 2 x 2, uneven 2 + 1) or found by the
 reducer itself, also on the node test bed; each run bounded by a timeout."""
 import math
-import os
-import sys
 
 import pytest
 
-from mpi_util import (MPI_SCRIPTS, assert_scenarios_passed, netns_skip_reason, run_bounded,
-                      run_mpi)
 from pacmpi import PacTrainReducer
 from pacmpi.hierarchy import hierarchical_wire_bits
 
+from mpi_util import netns_skip_reason, run_scenarios, scenario_cases, scenario_names, scenario_run
+
+MODULE = "hierarchical_scenarios.py"
 ALL = ("exact", "ternary", "state", "mismatch", "resync", "bad_node_comm")
-RUNS = [
-    (4, "2", ALL),
-    (3, "2", ("exact", "ternary", "mismatch")),
-    (2, "1", ("exact", "ternary", "mismatch", "bad_node_comm")),
-    (2, "default", ("nodes", "exact", "ternary", "state", "mismatch", "resync")),
-]
+
+
+def selected(names):
+    """The module's tests named ``test_<name>`` for each of ``names``, in file order."""
+    return tuple(test for test in scenario_names(MODULE) if test.removeprefix("test_") in names)
+
+
+RUNS = {  # (ranks, ranks per node): the tests of one launch; ids such as 4ranks-2-exact
+    (4, "2"): selected(ALL),
+    (3, "2"): selected(("exact", "ternary", "mismatch")),
+    (2, "1"): selected(("exact", "ternary", "mismatch", "bad_node_comm")),
+    (2, "default"): selected(("nodes", "exact", "ternary", "state", "mismatch", "resync")),
+}
+TESTBED = selected(("nodes", "exact", "ternary", "mismatch"))
+
+
+def per_node_env(per_node):
+    return (("PACMPI_TEST_RANKS_PER_NODE", per_node),)
 
 
 _NO_TESTBED = netns_skip_reason()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks, per_node, scenarios", RUNS,
-                         ids=[f"{n}ranks-{p}pernode" for n, p, _ in RUNS])
-def test_hierarchical_scenarios(ranks, per_node, scenarios):
-    result = run_mpi("hierarchical_scenarios.py", ranks, per_node, *scenarios, timeout=180)
-    assert_scenarios_passed(result, ranks, scenarios)
+@pytest.mark.parametrize("ranks, per_node, scenario", scenario_cases(MODULE, RUNS))
+def test_hierarchical_scenario(ranks, per_node, scenario):
+    run_scenarios(MODULE, ranks, only=RUNS[ranks, per_node], timeout=180,
+                  env=per_node_env(per_node)).check(scenario)
+
+
+@pytest.fixture(scope="module")
+def testbed_run():
+    """One launch on 2 simulated nodes x 2 ranks, nodes found by default (host name and
+    network namespace of each simulated node), across real shaped links."""
+    from pacmpi.launch import detect_mpi
+    from pacmpi.launch.nodes import NodeTestbed
+
+    with NodeTestbed(2, "1gbit") as bed:
+        return scenario_run(
+            MODULE, 4, lambda command: bed.mpirun_command(
+                detect_mpi(), 4, command, tag_output=False,
+                env_forward=[f"{name}={value}" for name, value in per_node_env("default")]),
+            only=TESTBED, timeout=150, what="2 nodes x 2 ranks on the node test bed")
 
 
 @pytest.mark.mpi
 @pytest.mark.skipif(_NO_TESTBED is not None, reason=f"no node test bed: {_NO_TESTBED}")
-def test_two_nodes_of_two_ranks_on_the_node_test_bed():
-    """Nodes found by default (host name and network namespace of each simulated node), then
-    the issue's checks across real shaped links: exact sums, unbiased ternary, mismatch."""
-    from pacmpi.launch import detect_mpi
-    from pacmpi.launch.nodes import NodeTestbed
-
-    scenarios = ("nodes", "exact", "ternary", "mismatch")
-    script = str(MPI_SCRIPTS / "hierarchical_scenarios.py")
-    with NodeTestbed(2, "1gbit") as bed:
-        argv = bed.mpirun_command(detect_mpi(), 4, [sys.executable, script, "default",
-                                                    *scenarios], tag_output=False)
-        result = run_bounded(argv, timeout=150, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                             what="hierarchical_scenarios.py on 2 nodes x 2 ranks")
-    assert_scenarios_passed(result, 4, scenarios)
+@pytest.mark.parametrize("scenario", TESTBED)
+def test_two_nodes_of_two_ranks_on_the_node_test_bed(testbed_run, scenario):
+    """The issue's checks across the test bed: nodes found, exact sums, unbiased ternary,
+    mismatch."""
+    testbed_run.check(scenario)
 
 
 def test_ternary_digits_grow_with_nodes_not_ranks():

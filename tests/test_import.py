@@ -1,5 +1,6 @@
-"""The core's import graph: ``import pacmpi`` loads no framework and does not start MPI, and no
-module under ``pacmpi/`` imports the adapters or the launch helpers (they sit above it)."""
+"""The import graph: ``import pacmpi`` loads no framework and does not start MPI, and every arrow
+points down: experiments -> adapters -> core, with launch beside (it may use the core only).
+Each room is a folder installed under another package name (pyproject's package-dir)."""
 import ast
 import subprocess
 import sys
@@ -7,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-CORE = Path(__file__).resolve().parents[1] / "pacmpi"
-UPPER = ("pacmpi.adapters", "pacmpi.launch")
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "pacmpi"
+UPPER = ("pacmpi.adapters", "pacmpi.launch", "pacmpi.experiments")
+# folder -> (its package, the packages it must not import)
+ROOMS = {
+    "pacmpi": ("pacmpi", UPPER),
+    "adapters": ("pacmpi.adapters", ("pacmpi.launch", "pacmpi.experiments")),
+    "launch": ("pacmpi.launch", ("pacmpi.adapters", "pacmpi.experiments")),
+    "experiments": ("pacmpi.experiments", ()),
+}
 
 
 def test_import_pacmpi_loads_no_framework():
@@ -25,8 +34,8 @@ def test_import_pacmpi_does_not_initialize_mpi():
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
-def _module_name(path, root):
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+def _module_name(path, root, package):
+    parts = [package] + list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -45,32 +54,45 @@ def _absolute(node, module, is_package):
     return [target] + [f"{target}.{alias.name}" for alias in node.names]
 
 
-def upward_imports(root=CORE):
-    """``[(file, line, name)]`` for every import under ``root`` of an adapters/launch module."""
+def upward_imports(root=CORE, package="pacmpi", upper=UPPER):
+    """``[(file, line, name)]`` for every import under ``root`` (the folder of ``package``) of a
+    module in one of the ``upper`` packages."""
     found = []
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        module = _module_name(path, root)
+        module = _module_name(path, root, package)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for name in _absolute(node, module, path.name == "__init__.py"):
-                    if any(name == up or name.startswith(up + ".") for up in UPPER):
+                    if any(name == up or name.startswith(up + ".") for up in upper):
                         found.append((str(path.relative_to(root.parent)), node.lineno, name))
             elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
                   and node.args and isinstance(node.args[0], ast.Constant)
-                  and str(node.args[0].value).startswith(UPPER)):
+                  and str(node.args[0].value).startswith(tuple(upper))):
                 # importlib.import_module("pacmpi.adapters...") is the same dependency, hidden.
                 found.append((str(path.relative_to(root.parent)), node.lineno,
                               node.args[0].value))
     return found
 
 
-def test_core_imports_neither_adapters_nor_launch():
-    assert upward_imports() == []
+@pytest.mark.parametrize("folder", sorted(ROOMS))
+def test_every_arrow_points_down(folder):
+    package, upper = ROOMS[folder]
+    assert upward_imports(REPO / folder, package, upper) == []
+
+
+def test_adapters_import_neither_launch_nor_experiments_negative_control(tmp_path):
+    path = tmp_path / "adapters" / "x.py"
+    path.parent.mkdir()
+    path.write_text("from pacmpi.experiments.models import build_model\nfrom ..launch import run\n")
+    package, upper = ROOMS["adapters"]
+    names = [found[2] for found in upward_imports(tmp_path / "adapters", package, upper)]
+    assert names == ["pacmpi.experiments.models", "pacmpi.experiments.models.build_model",
+                     "pacmpi.launch", "pacmpi.launch.run"]
 
 
 @pytest.mark.parametrize("where, source, name", [
-    ("cli.py", "import pacmpi.adapters.train\n", "pacmpi.adapters.train"),
+    ("cli.py", "import pacmpi.experiments.train\n", "pacmpi.experiments.train"),
     ("cli.py", "from pacmpi.launch import run_command\n", "pacmpi.launch"),
     ("cli.py", "from pacmpi import launch\n", "pacmpi.launch"),
     ("cli.py", "from .launch import doctor\n", "pacmpi.launch"),

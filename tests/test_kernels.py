@@ -16,7 +16,8 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pacmpi import kernels
 from pacmpi.hashing import uniform

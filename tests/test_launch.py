@@ -2,27 +2,43 @@
 CLI, and the real bandwidth-limited test bed (skipped, with the reason, where it cannot be
 created). The venv is NOT on PATH here, as in a fresh shell: the launch helpers must find the
 venv's launchers beside its Python by themselves."""
+import contextlib
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from pacmpi.launch import (CalibrationError, LauncherNotFoundError, LinkTestbed,
-                           MPIDetectionError, MPIFlavor, RankFailure, TestbedError,
-                           build_horovodrun_command, build_mpirun_command, describe_failure,
-                           detect_mpi, find_launcher, link_model, locate_launcher,
-                           parse_mpi_version, parse_rank_failure, parse_rate, probe_testbed,
-                           ring_allreduce_settings, run_command)
+from pacmpi.launch import (
+    CalibrationError,
+    LauncherNotFoundError,
+    LinkTestbed,
+    MPIDetectionError,
+    MPIFlavor,
+    RankFailure,
+    TestbedError,
+    build_horovodrun_command,
+    build_mpirun_command,
+    detect_mpi,
+    find_launcher,
+    run_command,
+)
+from pacmpi.launch._namespaces import new_name, pids_in, remove_stale, workdir
+from pacmpi.launch._signals import signals_held, unwind_on_signals
 from pacmpi.launch.cli import main
-from pacmpi.launch.mpi import build_torchrun_command
+from pacmpi.launch.failure import describe_failure, parse_rank_failure
+from pacmpi.launch.launchers import locate_launcher
+from pacmpi.launch.mpi import build_torchrun_command, parse_mpi_version, ring_allreduce_settings
 from pacmpi.launch.runner import parse_torchrun_failure
+from pacmpi.launch.testbed import link_model, probe_testbed
+from pacmpi.units import parse_rate
 
+import testbed_leaks
 from mpi_util import netns_skip_reason
 
 PY = sys.executable
@@ -149,7 +165,8 @@ def test_openmpi5_full_command():
     assert cmd == ["mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
                    "--output", "tag", "--hostfile", "hosts",
                    "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS=1",
-                   "--mca", "mpi_yield_when_idle", "1", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                   "--mca", "mpi_yield_when_idle", "1", "--mca", "pml", "ob1",
+                   "--mca", "btl", "tcp,self",
                    "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo",
                    "--mca", "btl_tcp_sndbuf", "0",
                    "python", "train.py", "--lr", "0.1"]
@@ -277,8 +294,10 @@ thus causing the job to be terminated. The first process to do so was:
    Process name: [prterun-vm-4102@1,1]
    Exit code:    3
 """
-OMPI4_EXIT = "  Process name: [[51284,1],3]\n  Exit status:\n  Process name: [[51284,1],3]\n  Exit code:    7\n"
-HOROVOD = "Process 1 exit with status code 137.\nTerminating remaining workers after failure of Process 1.\n"
+OMPI4_EXIT = ("  Process name: [[51284,1],3]\n  Exit status:\n  Process name: [[51284,1],3]\n"
+              "  Exit code:    7\n")
+HOROVOD = ("Process 1 exit with status code 137.\n"
+           "Terminating remaining workers after failure of Process 1.\n")
 HYDRA = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 1234 RUNNING AT node7\n"
          "=   EXIT CODE: 9\n")
 
@@ -296,7 +315,10 @@ def test_parse_rank_failure(text, expected):
     assert parse_rank_failure(text) == expected
 
 
-TORCHRUN_SIGNAL = """E1202 18:36:02.142000 8230 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 8248) of binary: /venv/bin/python
+TORCHRUN_AGENT_LINE = ("E1202 18:36:02.142000 8230 torch/distributed/elastic/multiprocessing/"
+                       "api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 8248) of binary: "
+                       "/venv/bin/python")
+TORCHRUN_SIGNAL = TORCHRUN_AGENT_LINE + """
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
 /tmp/kill1.py FAILED
@@ -336,7 +358,7 @@ TORCHRUN_EXIT = """Root Cause (first observed failure):
     (TORCHRUN_SIGNAL, RankFailure(rank=3, signal=9, pid=8248, node="node7")),
     (TORCHRUN_EXIT, RankFailure(rank=1, exit_code=5, pid=8300, node="localhost")),
     # Without the summary, the agent's log line (a local rank).
-    (TORCHRUN_SIGNAL.split("\n", 1)[0], RankFailure(rank=1, signal=9, pid=8248)),
+    (TORCHRUN_AGENT_LINE, RankFailure(rank=1, signal=9, pid=8248)),
     ("RuntimeError: oops\n", None),
 ])
 def test_parse_torchrun_failure(text, expected):
@@ -348,7 +370,8 @@ def test_describe_failure():
         "pacmpi-run: rank 2 (pid 4094, node vm) was killed by signal 9 (SIGKILL); "
         "mpirun exited with status 137")
     assert describe_failure(RankFailure(rank=1, exit_code=137), 1, "horovodrun") == (
-        "pacmpi-run: rank 1 exited with code 137 (= 128 + SIGKILL); horovodrun exited with status 1")
+        "pacmpi-run: rank 1 exited with code 137 (= 128 + SIGKILL); "
+        "horovodrun exited with status 1")
     assert describe_failure(RankFailure(exit_code=9), 9) == (
         "pacmpi-run: a rank (not named by the launcher) exited with code 9; "
         "mpirun exited with status 9")
@@ -426,7 +449,8 @@ def test_cli_command_without_double_dash(capsys):
 
 
 def test_cli_dry_run_torchrun(capsys):
-    assert main(["-n", "2", "--torchrun", "--dry-run", "--", "python", "t.py", "--name", "a b"]) == 0
+    assert main(["-n", "2", "--torchrun", "--dry-run", "--", "python", "t.py",
+                 "--name", "a b"]) == 0
     assert capsys.readouterr().out == (
         f"{VENV_BIN}/torchrun --standalone --nproc-per-node 2 --no-python python t.py "
         "--name 'a b'\n")
@@ -522,6 +546,39 @@ def test_probe_testbed_reports_what_is_missing(monkeypatch, tmp_path):
     assert probe_testbed().startswith("--link needs root")
 
 
+# --- signals -------------------------------------------------------------------------------
+
+def _signal_self(signum):
+    os.kill(os.getpid(), signum)
+    time.sleep(0.2)  # a handler runs at once: the sleep is interrupted
+
+
+def test_an_ignored_sigint_unwinds_only_when_asked():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        with unwind_on_signals():
+            _signal_self(signal.SIGINT)  # still ignored: nothing happens
+        with pytest.raises(KeyboardInterrupt):
+            with unwind_on_signals(even_if_ignored=True):
+                _signal_self(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt),
+                                            (signal.SIGTERM, SystemExit)])
+def test_a_signal_during_clean_up_acts_once_it_is_done(signum, raised):
+    steps = []
+    with pytest.raises(raised):
+        with unwind_on_signals(even_if_ignored=True):
+            with signals_held():
+                _signal_self(signum)
+                steps.append("clean-up done")
+            steps.append("after the clean-up")  # not reached: the signal acts first
+    assert steps == ["clean-up done"]
+
+
 # --- real runs under mpirun (no test bed) ---------------------------------------------------
 
 KILL_RANK_1 = ("import os, signal; from mpi4py import MPI; "
@@ -538,7 +595,8 @@ def test_killed_rank_is_named():
     assert result.failure == RankFailure(rank=1, signal=9, pid=result.failure.pid,
                                          node=result.failure.node)
     assert result.failure_message.startswith("pacmpi-run: rank 1 (pid ")
-    assert "was killed by signal 9 (SIGKILL); mpirun exited with status 137" in result.failure_message
+    assert ("was killed by signal 9 (SIGKILL); mpirun exited with status 137"
+            in result.failure_message)
 
 
 @pytest.mark.mpi
@@ -549,7 +607,8 @@ def test_failed_rank_exit_code_is_named(capsys):
     code = ("import os; from mpi4py import MPI; "
             "MPI.COMM_WORLD.rank == 1 and os._exit(5); MPI.COMM_WORLD.Barrier()")
     assert main(["-n", "2", "--oversubscribe", "--timeout", "45", "--", PY, "-c", code]) == 5
-    assert "pacmpi-run: rank 1 exited with code 5; mpirun exited with status 5" in capsys.readouterr().err
+    assert ("pacmpi-run: rank 1 exited with code 5; mpirun exited with status 5"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.mpi
@@ -575,6 +634,35 @@ def test_timeout_ends_the_job():
     assert result.failure_message == "pacmpi-run: mpirun ended after the 2 s timeout"
 
 
+STUBBORN_LAUNCHER = f"""#!{PY}
+# Says it is Open MPI; then, unlike it, ignores SIGTERM and, like it, starts its one rank in a
+# process group of its own (the rank ignores SIGTERM too).
+import os, signal, subprocess, sys
+if sys.argv[1:] == ["--version"]:
+    sys.exit(print("mpirun (Open MPI) 5.0.11"))
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+rank = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('RANK', os.getpid(), os.getpgid(0), flush=True); time.sleep(60)")
+subprocess.run([sys.executable, "-c", rank], process_group=0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_launcher_that_ignores_sigterm_is_killed_with_all_it_started(tmp_path):
+    launcher = tmp_path / "mpirun"
+    launcher.write_text(STUBBORN_LAUNCHER)
+    launcher.chmod(0o755)
+    started = time.monotonic()
+    result = run_command(["t"], 2, mpirun=str(launcher), capture=True, echo=False, timeout=2,
+                         grace=1)
+    assert (result.returncode, result.timed_out) == (124, True)
+    assert time.monotonic() - started < 10, "more than timeout + grace + a few seconds"
+    (rank, group), = [map(int, line.split()[1:]) for line in result.stdout.splitlines()
+                      if line.startswith("RANK")]
+    assert group == rank  # not the launcher's group: killpg() alone would miss it
+    assert not running(rank)
+
+
 # --- real runs under torchrun (no test bed) -------------------------------------------------
 
 DDP_TRAIN = ["pacmpi", "train", "--backend", "ddp", "--epochs", "1", "--max-steps", "2",
@@ -586,7 +674,8 @@ DDP_TRAIN = ["pacmpi", "train", "--backend", "ddp", "--epochs", "1", "--max-step
 def test_torchrun_runs_pacmpi_train_ddp(tmp_path, capsys):
     # `pacmpi` is not on this shell's PATH: the ranks get the venv's bin first, as for mpirun.
     argv = ["-n", "2", "--torchrun", "--timeout", "120", "--", *DDP_TRAIN, "--method",
-            "pactrain", "--pretrained", str(tmp_path / "pre.pt"), "--json", str(tmp_path / "r.json")]
+            "pactrain", "--pretrained", str(tmp_path / "pre.pt"),
+            "--json", str(tmp_path / "r.json")]
     assert main(argv) == 0, capsys.readouterr()
     out = capsys.readouterr().out
     assert "on 2 ranks, method pactrain" in out and "bytes sent per step" in out
@@ -616,7 +705,8 @@ def test_torchrun_killed_rank_is_named():
 @pytest.mark.timeout(90)
 def test_link_run_calibrates_and_runs_inside_the_namespace():
     before = netns_names()
-    probe = "import subprocess; print('NS', subprocess.check_output(['ip', 'netns', 'identify']).decode().strip())"
+    probe = ("import subprocess; "
+             "print('NS', subprocess.check_output(['ip', 'netns', 'identify']).decode().strip())")
     result = run_command([PY, "-c", probe], 2, link="100mbit", capture=True, echo=False,
                          timeout=60)
     assert result.returncode == 0, result.stderr
@@ -686,35 +776,118 @@ def test_torchrun_on_the_link_crosses_the_shaped_lo():
     assert name not in netns_names() and netns_names() <= before
 
 
-def _wait_for_line(stream, text, timeout):
-    """Return the first line of ``stream`` containing ``text``; fail after ``timeout`` s."""
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
-    while True:
-        line = lines.get(timeout=timeout)
-        if text in line:
-            return line
+SLEEPER = "import time; print('RANK-UP', flush=True); time.sleep(120)"
+# The SIGINT/SIGTERM dispositions pacmpi-run may inherit: as from an interactive shell, and as
+# a non-interactive shell starts a background job (`make test &`): SIGINT ignored (POSIX).
+INHERITED = pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN],
+                                    ids=["inherited-default", "inherited-ignored"])
+# How long pacmpi-run may take to end after a signal: 10 s grace for mpirun, then at most
+# 2 x 3 s to end what is left in the namespaces; it normally takes under a second.
+EXIT_BOUND_S = 20
+
+
+def running(pid):
+    """Whether ``pid`` is a live process (a zombie has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+@contextlib.contextmanager
+def pacmpi_run_with_ranks_up(bed, inherited=signal.SIG_DFL):
+    """Start ``pacmpi-run -n 2 BED... -- SLEEPER`` with SIGINT and SIGTERM set to ``inherited``
+    and yield it once both ranks are up; SIGKILL it on exit if it still runs. Its output
+    (stdout and stderr together, drained all along) is in ``proc.output``."""
+    def inherit():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, inherited)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([PY, "-m", "pacmpi.launch.cli", "-n", "2", *bed, "--no-calibrate",
+                             "--timeout", "60", "--", PY, "-c", SLEEPER],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=inherit)
+    proc.output = []
+    threading.Thread(target=lambda: [proc.output.append(line) for line in proc.stdout],
+                     daemon=True).start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum("RANK-UP" in line for line in proc.output) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.output
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 @needs_testbed
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
+@INHERITED
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_to_pacmpi_run_removes_namespace(signum, status):
+def test_signal_to_pacmpi_run_removes_namespace(signum, status, inherited):
     before = netns_names()
-    sleeper = "import time; print('up', flush=True); time.sleep(120)"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen([PY, "-m", "pacmpi.launch.cli", "-n", "2", "--link", "100mbit",
-                             "--no-calibrate", "--timeout", "60", "--", PY, "-c", sleeper],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        _wait_for_line(proc.stdout, "up", timeout=30)
+    with pacmpi_run_with_ranks_up(["--link", "100mbit"], inherited) as proc:
         created = netns_names() - before
         assert len(created) == 1
+        inside = pids_in(created)  # mpirun and its ranks
+        assert len(inside) >= 3
         proc.send_signal(signum)
-        assert proc.wait(timeout=30) == status
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        assert proc.wait(timeout=EXIT_BOUND_S) == status, proc.output
     assert not (created & netns_names())
+    assert not [pid for pid in inside if running(pid)]
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+def test_what_a_run_killed_by_sigkill_left_is_removed_by_the_next_test_bed():
+    before = netns_names()
+    with pacmpi_run_with_ranks_up(["--link", "100mbit"]) as proc:
+        created = netns_names() - before
+        inside = pids_in(created)
+        proc.kill()  # it cannot clean up: its namespace stays, mpirun and the ranks run on in it
+        proc.wait(timeout=10)
+    assert created <= netns_names() and [pid for pid in inside if running(pid)]
+    with LinkTestbed("1gbit") as bed:  # the next run
+        assert bed.name in netns_names()
+    assert not (created & netns_names())
+    assert not [pid for pid in inside if running(pid)]
+
+
+@needs_testbed
+@pytest.mark.timeout(60)
+def test_leak_check_counts_leftovers_and_only_dead_owners_are_removed():
+    before = testbed_leaks.snapshot()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid now names no process: the owner of a crashed run
+    stale, live = f"pacmpi-{ended.pid}-0", new_name()  # live: owned by this process
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "-n", name, "link", "add", "v0", "type", "veth", "peer", "name",
+                        "v1"], check=True)
+        workdir(name).mkdir()
+    subprocess.run(["ip", "-n", stale, "link", "add", "ifb9", "type", "ifb"], check=True)
+    rank = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "60"])  # left running
+    try:
+        after = testbed_leaks.snapshot()
+        assert sorted(testbed_leaks.leaks(before, after)) == sorted([
+            f"network namespace {stale} left behind", f"network namespace {live} left behind",
+            f"2 more network namespaces ({before['network namespaces']} -> "
+            f"{before['network namespaces'] + 2})",
+            f"4 more veth ({before['veth']} -> {before['veth'] + 4})",
+            f"1 more ifb ({before['ifb']} -> {before['ifb'] + 1})"]), after
+        assert remove_stale() == [stale]
+        assert rank.wait(timeout=10) == -signal.SIGTERM
+        assert stale not in netns_names() and live in netns_names()
+        assert not workdir(stale).exists() and workdir(live).exists()
+    finally:
+        rank.kill()
+        rank.wait()
+        subprocess.run(["ip", "netns", "del", live], capture_output=True)
+        workdir(live).rmdir()
+    assert testbed_leaks.leaks(before, testbed_leaks.snapshot()) == []

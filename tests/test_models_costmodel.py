@@ -10,12 +10,28 @@ import numpy as np
 import pytest
 
 from pacmpi.bench.allreduce import run as bench_run
-from pacmpi.bench.models import (MODELS, PUBLISHED_COUNTS, Param, magnitude_mask, model_count,
-                                 model_params, random_weights)
+from pacmpi.bench.models import (
+    MODELS,
+    PUBLISHED_COUNTS,
+    Param,
+    magnitude_mask,
+    model_count,
+    model_params,
+    random_weights,
+)
 from pacmpi.buckets import DEFAULT_BUCKET_BYTES
-from pacmpi.costmodel import (DEFAULT_FIT, METHODS, calibrate, parse_rate, predict,
-                              step_seconds, validate, workload)
+from pacmpi.costmodel import (
+    DEFAULT_FIT,
+    calibrate,
+    predict,
+    step_seconds,
+    validate,
+    workload,
+)
+from pacmpi.methods import ALLREDUCE_METHODS
 from pacmpi.ternary import TernaryCodec
+from pacmpi.units import parse_rate
+
 from mpi_util import mpirun_argv, run_bounded
 
 GBIT = 125e6  # bytes per second
@@ -80,7 +96,7 @@ def test_bad_input_is_named():
             predict(DEFAULT_FIT, ranks=ranks, link="1gbit", method="pactrain", nbytes=1 << 20)
     with pytest.raises(ValueError, match="bad link rate 'fast'"):
         parse_rate("fast")
-    with pytest.raises(ValueError, match="unknown method 'topk'"):
+    with pytest.raises(ValueError, match="method 'topk' is not available here"):
         predict(DEFAULT_FIT, ranks=4, link="1gbit", method="topk", nbytes=1 << 20)
     with pytest.raises(ValueError, match="6 ranks do not fill 4 nodes"):
         predict(DEFAULT_FIT, ranks=6, nodes=4, link="1gbit", method="pactrain", nbytes=1 << 20)
@@ -110,10 +126,12 @@ def test_predict_outside_the_repository_says_it_is_uncalibrated(tmp_path):
 
 
 def test_rates_parse_in_tc_units():
-    assert parse_rate("100mbit") == 12.5e6
-    assert parse_rate("1gbit") == GBIT
-    assert parse_rate("2.5gbit") == 2.5 * GBIT
-    assert parse_rate("8000") == 1000
+    # The test bed's parser: tc's bit units to bits per second; a bare number is refused.
+    assert parse_rate("1gbit") == 8 * GBIT and parse_rate("2.5gbit") == 2.5 * 8 * GBIT
+    got = predict(DEFAULT_FIT, ranks=4, link="2.5gbit", method="dense", nbytes=1 << 20)
+    assert got["network_s"] == pytest.approx((1 << 20) * 1.5 / (2.5 * GBIT))
+    with pytest.raises(ValueError, match="bad link rate '8000'"):
+        predict(DEFAULT_FIT, ranks=4, link="8000", method="dense", nbytes=1 << 20)
 
 
 # Hand-computed cases. 100 MB of float32 = 25e6 values, 4 buckets of 25 MiB; density 0.2:
@@ -131,22 +149,22 @@ def test_workload_of_a_byte_count():
 
 
 def test_ring_factors_star_and_shared():
-    star = step_seconds(DEFAULT_FIT, ranks=4, link_bps=GBIT, method="dense-fp32", **CASE)
+    star = step_seconds(DEFAULT_FIT, ranks=4, link_bps=8 * GBIT, method="dense", **CASE)
     assert star["network_s"] == pytest.approx(1e8 * 2 * 3 / 4 / GBIT)  # 1.2 s
-    shared = step_seconds(DEFAULT_FIT, ranks=4, link_bps=GBIT, method="dense-fp32",
+    shared = step_seconds(DEFAULT_FIT, ranks=4, link_bps=8 * GBIT, method="dense",
                           topology="shared", **CASE)
     assert shared["network_s"] == pytest.approx(1e8 * 2 * 3 / GBIT)  # 4.8 s: 4x the star
-    fp16 = step_seconds(DEFAULT_FIT, ranks=4, link_bps=GBIT, method="dense-fp16", **CASE)
+    fp16 = step_seconds(DEFAULT_FIT, ranks=4, link_bps=8 * GBIT, method="fp16", **CASE)
     assert fp16["wire_bytes"] == 5e7 and fp16["network_s"] == pytest.approx(0.6)
-    single = step_seconds(DEFAULT_FIT, ranks=1, link_bps=GBIT, method="dense-fp32", **CASE)
+    single = step_seconds(DEFAULT_FIT, ranks=1, link_bps=8 * GBIT, method="dense", **CASE)
     assert single["seconds"] == 0
-    one_node = step_seconds(DEFAULT_FIT, ranks=4, nodes=1, link_bps=GBIT, method="dense-fp32",
+    one_node = step_seconds(DEFAULT_FIT, ranks=4, nodes=1, link_bps=8 * GBIT, method="dense",
                             **CASE)
     assert one_node["network_s"] == pytest.approx(1e8 * 1.5 / DEFAULT_FIT["intra_Bps"])
 
 
 def test_latency_codec_and_verify_terms():
-    got = step_seconds(FIT, ranks=4, link_bps=GBIT, method="pactrain", compute_s=0.25, **CASE)
+    got = step_seconds(FIT, ranks=4, link_bps=8 * GBIT, method="pactrain", compute_s=0.25, **CASE)
     assert got["wire_bytes"] == 2e7
     assert got["network_s"] == pytest.approx(2e7 * 1.5 / GBIT)           # 0.24 s
     assert got["latency_s"] == pytest.approx(1e-4 * (4 + 1) * 2 * 3)     # 3 ms
@@ -154,25 +172,25 @@ def test_latency_codec_and_verify_terms():
     assert got["verify_s"] == pytest.approx(1e8 * 5e-11)                 # 5 ms
     assert got["seconds"] == pytest.approx(0.25 + 0.24 + 0.003 + 0.014 + 0.005)
     # Four ranks on a 2-core host: each rank's codec runs at half speed.
-    shared = step_seconds(FIT, ranks=4, link_bps=GBIT, method="pactrain", host_cores=2, **CASE)
+    shared = step_seconds(FIT, ranks=4, link_bps=8 * GBIT, method="pactrain", host_cores=2, **CASE)
     assert shared["codec_s"] == pytest.approx(2 * got["codec_s"])
 
 
 def test_ternary_bits_grow_with_the_ring_and_hierarchy_uses_nodes():
-    flat = step_seconds(DEFAULT_FIT, ranks=8, link_bps=GBIT, method="pactrain-ternary", **CASE)
+    flat = step_seconds(DEFAULT_FIT, ranks=8, link_bps=8 * GBIT, method="pactrain-ternary", **CASE)
     words = math.ceil(5e6 / TernaryCodec(8, "uint64").digits_per_word)  # 15 digits
     assert flat["wire_bytes"] == 8 * words
     assert flat["network_s"] == pytest.approx(flat["wire_bytes"] * 2 * 7 / 8 / GBIT)
     # 8 ranks on 2 nodes: base 5 (27 digits per uint64 word), a 2-node ring across the
     # network, and a dense all-reduce among each node's 4 ranks at memory speed.
-    hier = step_seconds(FIT, ranks=8, nodes=2, link_bps=GBIT, method="pactrain-ternary",
+    hier = step_seconds(FIT, ranks=8, nodes=2, link_bps=8 * GBIT, method="pactrain-ternary",
                         hierarchical=True, **CASE)
     assert TernaryCodec(2, "uint64").digits_per_word == 27
     assert hier["wire_bytes"] == 8 * math.ceil(5e6 / 27) == 1_481_488
     assert hier["network_s"] == pytest.approx(1_481_488 * 1 / GBIT)
     assert hier["intra_s"] == pytest.approx(1e8 * 2 * 3 / 4 / 20e9)      # 7.5 ms
     assert hier["latency_s"] == pytest.approx(1e-4 * 5 * 2 * 1)
-    grows = [step_seconds(DEFAULT_FIT, ranks=n, link_bps=GBIT, method="pactrain-ternary",
+    grows = [step_seconds(DEFAULT_FIT, ranks=n, link_bps=8 * GBIT, method="pactrain-ternary",
                           **CASE)["bits_per_value"] for n in (2, 16, 128, 1024)]
     assert grows == sorted(grows) and grows[-1] > 4 * grows[0] / 2
 
@@ -180,17 +198,17 @@ def test_ternary_bits_grow_with_the_ring_and_hierarchy_uses_nodes():
 def test_speedups_are_ratios_of_step_times():
     got = predict(FIT, ranks=16, nodes=2, link="10gbit", method="pactrain", model="resnet152",
                   density=0.5, compute_s=0.1)
-    assert got["speedup_vs_dense_fp32"] == pytest.approx(got["dense_fp32_s"] / got["seconds"])
-    assert got["speedup_vs_dense_fp16"] == pytest.approx(got["dense_fp16_s"] / got["seconds"])
+    assert got["speedup_vs_dense"] == pytest.approx(got["dense_s"] / got["seconds"])
+    assert got["speedup_vs_fp16"] == pytest.approx(got["fp16_s"] / got["seconds"])
     assert got["values"] == PUBLISHED_COUNTS["resnet152"]
 
 
 TRUE_FIT = dict(DEFAULT_FIT, latency_s={"shared": 3e-4, "star": 2e-3},
                 link_efficiency={"shared": 0.93, "star": 0.85},
                 host_cores=2,
-                codec_s_per_byte={"dense-fp32": [0.0, 0.0], "dense-fp16": [4e-10, 0.0],
+                codec_s_per_byte={"dense": [0.0, 0.0], "fp16": [4e-10, 0.0],
                                   "pactrain": [3e-10, 5e-10], "pactrain-ternary": [2e-10, 3e-9]},
-                verify_s_per_byte={"dense-fp32": 0.0, "dense-fp16": 0.0, "pactrain": 6e-10,
+                verify_s_per_byte={"dense": 0.0, "fp16": 0.0, "pactrain": 6e-10,
                                    "pactrain-ternary": 9e-10})
 
 
@@ -203,8 +221,8 @@ def _synthetic_documents(fit, setups):
         rows = []
         for density in (0.5, 0.2):
             values, kept, buckets = workload(model=model, density=density)
-            for method in METHODS:
-                if method.startswith("dense") and density != 0.5:
+            for method in ALLREDUCE_METHODS:
+                if method in ("dense", "fp16") and density != 0.5:
                     continue
                 got = step_seconds(fit, ranks=ranks, link_bps=parse_rate(link), values=values,
                                    kept=kept, buckets=buckets, method=method,
@@ -229,12 +247,22 @@ def test_calibrate_recovers_the_parameters_of_synthetic_runs():
     # One a and one eta per topology: the star's are not the shared bed's.
     assert fit["latency_s"] == pytest.approx(TRUE_FIT["latency_s"], rel=1e-6)
     assert fit["link_efficiency"] == pytest.approx(TRUE_FIT["link_efficiency"], rel=1e-6)
-    for method in METHODS:
+    for method in ALLREDUCE_METHODS:
         assert fit["codec_s_per_byte"][method] == pytest.approx(
             TRUE_FIT["codec_s_per_byte"][method], rel=1e-6, abs=1e-18)
         assert fit["verify_s_per_byte"][method] == pytest.approx(
             TRUE_FIT["verify_s_per_byte"][method], rel=1e-6, abs=1e-18)
     assert max(abs(p["error"]) for p in fit["points"]) < 1e-9
+    # Benchmark files and fits written before one vocabulary name dense "dense-fp32" and fp16
+    # "dense-fp16": they fit and predict the same.
+    old = json.loads(json.dumps(documents).replace('"dense"', '"dense-fp32"')
+                     .replace('"fp16"', '"dense-fp16"'))
+    assert {row["method"] for row in old[0]["rows"]} >= {"dense-fp32", "dense-fp16"}
+    assert calibrate(old, host_cores=2)["codec_s_per_byte"] == fit["codec_s_per_byte"]
+    old_fit = json.loads(json.dumps(fit).replace('"dense"', '"dense-fp32"')
+                         .replace('"fp16"', '"dense-fp16"'))
+    assert "dense-fp16" in old_fit["codec_s_per_byte"]
+    assert validate(old_fit, documents) == validate(fit, documents)
     held_out = validate(fit, _synthetic_documents(TRUE_FIT, [("gpt2-124m", 4, "1gbit"),
                                                              ("vgg19", 2, "10gbit", "star")]))
     assert len(held_out) == 12 and max(abs(p["error"]) for p in held_out) < 1e-9
@@ -288,7 +316,7 @@ def test_bench_allreduce_model_sends_what_the_cost_model_counts(tmp_path):
     values, kept, buckets = workload(model="resnet50", density=0.2)
     for row in doc["rows"]:
         assert row["wrong"] == 0 and row["buckets"] == buckets and row["count"] == values
-        expected = step_seconds(DEFAULT_FIT, ranks=2, link_bps=GBIT, values=values, kept=kept,
+        expected = step_seconds(DEFAULT_FIT, ranks=2, link_bps=8 * GBIT, values=values, kept=kept,
                                 buckets=buckets, method=row["method"])["wire_bytes"]
         # Ternary: the model leaves out each bucket's partial last word and, on this first
         # step, the scales' own all-reduce (16 bytes per bucket).

@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
-from pacmpi.adapters.data import iterate_minibatches, load_digits_split
-from pacmpi.adapters.models import DigitsCNN
 from pacmpi.adapters.pruning import (
     GradualPruningSchedule,
     MaskEnforcer,
-    mask_fingerprint,
+    masks_digest,
     masks_from_torch_prune,
     named_prunable_parameters,
     prune,
 )
+from pacmpi.experiments.data import iterate_minibatches, load_digits_split
+from pacmpi.experiments.models import DigitsCNN
 
 from mpi_util import mpirun_argv, run_mpi  # tests/ is put on sys.path by conftest.py
 
@@ -92,7 +92,7 @@ def test_magnitude_layer_scope_exact_per_layer():
 
 
 def test_deterministic_and_ties_prune_lowest_flat_index_first():
-    assert mask_fingerprint(prune(make_model(), 0.5)) == mask_fingerprint(prune(make_model(), 0.5))
+    assert masks_digest(prune(make_model(), 0.5)) == masks_digest(prune(make_model(), 0.5))
     a, b = nn.Linear(4, 3, bias=False), nn.Linear(2, 2, bias=False)
     model = nn.Sequential(a, b)
     with torch.no_grad():
@@ -116,7 +116,8 @@ def test_magnitude_exact_count_with_many_ties(rows, cols, ratio, seed, scope):
     model = nn.Sequential(nn.Linear(cols, rows), nn.Linear(rows, cols))
     with torch.no_grad():  # small integers: lots of ties in |W|
         for layer in model:
-            layer.weight.copy_(torch.randint(-2, 3, layer.weight.shape, generator=generator).float())
+            layer.weight.copy_(
+                torch.randint(-2, 3, layer.weight.shape, generator=generator).float())
     original = {n: p.detach().clone() for n, p in named_prunable_parameters(model).items()}
     masks = prune(model, ratio, scope=scope)
     groups = [masks] if scope == "global" else [{n: m} for n, m in masks.items()]
@@ -134,10 +135,12 @@ def test_include_exclude_globs_and_callables():
     assert list(named_prunable_parameters(model, include="*.bias")) == [
         "features.1.bias", "features.4.bias", "classifier.1.bias", "classifier.3.bias"
     ]
-    assert list(named_prunable_parameters(model, exclude="classifier.*")) == ["features.0.weight", "features.3.weight"]
+    assert list(named_prunable_parameters(model, exclude="classifier.*")) == [
+        "features.0.weight", "features.3.weight"]
     only_fc = named_prunable_parameters(model, include=lambda name, p: p.dim() == 2)
     assert list(only_fc) == ["classifier.1.weight", "classifier.3.weight"]
-    masks = prune(model, 0.5, include=["features.*.weight"], exclude=["features.1.*", "features.4.*"])  # BatchNorms
+    masks = prune(model, 0.5, include=["features.*.weight"],
+                  exclude=["features.1.*", "features.4.*"])  # BatchNorms
     assert list(masks) == ["features.0.weight", "features.3.weight"]
 
 
@@ -176,7 +179,8 @@ def test_grasp_sign_convention_hand_computed():
     def half_squared_error(out, target):
         return 0.5 * ((out.squeeze(-1) - target) ** 2).sum()
 
-    masks = prune(model, 0.5, "grasp", data=data, loss_fn=half_squared_error, grasp_temperature=1.0, include="*")
+    masks = prune(model, 0.5, "grasp", data=data, loss_fn=half_squared_error,
+                  grasp_temperature=1.0, include="*")
     assert masks["weight"].tolist() == [[False, True]]
     assert model.weight.tolist() == [[0.0, 1.0]]
 
@@ -192,7 +196,7 @@ def test_grasp_exact_ratio_differs_from_magnitude_and_is_side_effect_free(batche
     assert pruned_count(grasp) == round(0.8 * sum(m.numel() for m in grasp.values()))
     assert_pruned_zero(named_prunable_parameters(model), grasp)
     magnitude = prune(make_model(), 0.8)
-    assert mask_fingerprint(grasp) != mask_fingerprint(magnitude)
+    assert masks_digest(grasp) != masks_digest(magnitude)
     layer = prune(make_model(), 0.5, "grasp", "layer", data=batches)
     assert all(int((~m).sum()) == round(0.5 * m.numel()) for m in layer.values())
 
@@ -343,7 +347,8 @@ def test_masks_from_torch_prune_point_at_weight_orig(digits):
     masks = masks_from_torch_prune(model)
     assert list(masks) == ["fc.weight"]
     assert torch.equal(masks["fc.weight"], model.fc.weight_mask.bool())
-    assert torch.count_nonzero(model.fc.weight_orig.detach()[~masks["fc.weight"]]) > 0  # why not weight_orig
+    # why not weight_orig
+    assert torch.count_nonzero(model.fc.weight_orig.detach()[~masks["fc.weight"]]) > 0
     assert named_prunable_parameters(model)["fc.weight"] is model.fc.weight_orig
     enforcer = MaskEnforcer(model, masks)
     assert enforcer.parameters["fc.weight"] is model.fc.weight_orig

@@ -4,7 +4,8 @@ import pickle
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 
 from pacmpi import MPICollectives, PacTrainReducer, RankInputError

@@ -11,13 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from pacmpi.launch import (CalibrationError, MPIFlavor, NodeTestbed, TestbedError, link_model,
-                           run_command)
+from pacmpi.launch import CalibrationError, MPIFlavor, NodeTestbed, TestbedError, run_command
+from pacmpi.launch._namespaces import pids_in
 from pacmpi.launch.cli import main
 from pacmpi.launch.nodes import describe_daemon_failure, parse_daemon_failure
+from pacmpi.launch.testbed import link_model
 
 from mpi_util import MPI_SCRIPTS, netns_skip_reason
-from test_launch import _wait_for_line, fake_launcher, netns_names
+from test_launch import (
+    EXIT_BOUND_S,
+    INHERITED,
+    fake_launcher,
+    netns_names,
+    pacmpi_run_with_ranks_up,
+    running,
+)
 
 PY = sys.executable
 PROBE = str(MPI_SCRIPTS / "nodes_probe.py")
@@ -108,7 +116,8 @@ def test_dry_run_shared_topology_uses_one_queue(capsys):
     (["-n", "2", "--nodes", "2"], "--nodes needs --link RATE"),
     (["-n", "2", "--nodes", "2", "--link", "none"], "--nodes needs --link RATE"),
     (["-n", "2", "--topology", "star", "--link", "1gbit"], "--topology applies to --nodes"),
-    (["-n", "2", "--nodes", "2", "--link", "1gbit", "--horovod"], "not with --horovod or --torchrun"),
+    (["-n", "2", "--nodes", "2", "--link", "1gbit", "--horovod"],
+     "not with --horovod or --torchrun"),
     (["-n", "2", "--nodes", "2", "--link", "1gbit", "--hostfile", "h"], "leave out --hostfile"),
     (["-n", "2", "--nodes", "1", "--link", "1gbit"], "bad node count 1"),
 ])
@@ -276,22 +285,15 @@ def test_everything_removed_after_exception_and_refused_calibration():
 @needs_testbed
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
-def test_sigterm_to_pacmpi_run_removes_every_namespace():
+@INHERITED
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_pacmpi_run_removes_every_namespace(signum, status, inherited):
     before = netns_names()
-    sleeper = "import time; print('up', flush=True); time.sleep(120)"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen([PY, "-m", "pacmpi.launch.cli", "-n", "2", "--nodes", "2", "--link",
-                             "1gbit", "--no-calibrate", "--timeout", "60", "--", PY, "-c",
-                             sleeper], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    try:
-        _wait_for_line(proc.stdout, "up", timeout=30)
+    with pacmpi_run_with_ranks_up(["--nodes", "2", "--link", "1gbit"], inherited) as proc:
         created = netns_names() - before
         assert len(created) == 3  # switch and two nodes
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 143
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        inside = pids_in(created)  # mpirun, node1's Open MPI daemon, the ranks
+        proc.send_signal(signum)
+        assert proc.wait(timeout=EXIT_BOUND_S) == status, proc.output
     assert not (created & netns_names())
+    assert not [pid for pid in inside if running(pid)]

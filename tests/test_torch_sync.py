@@ -3,9 +3,16 @@ import numpy as np
 import pytest
 import torch
 
-from mpi_util import run_mpi  # tests/ is put on sys.path by conftest.py
-from pacmpi.adapters.models import DigitsCNN
-from pacmpi.adapters.torch_sync import PacTrainSync, TopKSync, as_array
+from pacmpi.adapters.convert import as_array
+from pacmpi.adapters.torch_sync import PacTrainSync
+from pacmpi.experiments.baselines import TopKSync
+from pacmpi.experiments.models import DigitsCNN
+
+from mpi_util import (  # tests/ is on sys.path (conftest.py)
+    run_scenarios,
+    scenario_cases,
+    scenario_names,
+)
 
 
 def test_as_array_is_zero_copy_for_grads_and_masks():
@@ -31,8 +38,8 @@ def test_as_array_rejects_other_devices():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"method": "topk"}, "use TopKSync"),
-    ({"method": "int8"}, "method must be one of"),
+    ({"method": "topk"}, "method 'topk' is not available here.*TopKSync"),
+    ({"method": "int8"}, "unknown method 'int8'"),
     ({"masks": {"nope.weight": torch.ones(1, dtype=torch.bool)}}, "names no trainable"),
     ({"masks": {"classifier.3.weight": torch.ones(3, dtype=torch.bool)}}, "has shape"),
 ])
@@ -46,36 +53,30 @@ def test_topk_rejects_bad_ratio():
         TopKSync(DigitsCNN(width=4, hidden=8), ratio=0.0)
 
 
-def _check(result, *expected):
-    assert result.returncode == 0, result.stdout + result.stderr
-    for line in expected:
-        assert line in result.stdout, result.stdout + result.stderr
-
-
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_sync_scenarios(ranks):
+@pytest.mark.parametrize("ranks, scenario",
+                         scenario_cases("sync_scenarios.py", {(2,): None, (4,): None}))
+def test_sync_scenario(ranks, scenario):
     """Identical weights, pactrain == dense, zero pruned weights, unused params, gradual."""
-    _check(run_mpi("sync_scenarios.py", ranks, timeout=150),
-           "OK methods", "OK unused", "OK gradual", "OK optimizer")
+    run_scenarios("sync_scenarios.py", ranks, timeout=150).check(scenario)
+
+
+CHECKPOINTS = "sync_checkpoint_scenarios.py"
+CHECKPOINT_LAUNCHES = {(4,): ("test_save_at_4_ranks",),  # first: the 2-rank launch resumes it
+                       (2,): tuple(t for t in scenario_names(CHECKPOINTS)
+                                   if t != "test_save_at_4_ranks")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    env = (("PACMPI_TEST_WORKDIR", str(tmp_path_factory.mktemp("checkpoints"))),)
+    return {ranks: run_scenarios(CHECKPOINTS, ranks, only=only, timeout=150, env=env)
+            for (ranks,), only in CHECKPOINT_LAUNCHES.items()}
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("method", ["pactrain-ternary", "topk"])
-def test_checkpoint_resume_is_bit_exact(tmp_path, method):
-    _check(run_mpi("sync_checkpoint.py", 2, "same", tmp_path, method, timeout=120),
-           f"OK same {method}")
-
-
-@pytest.mark.mpi
-def test_resume_at_another_world_size_warns_and_continues(tmp_path):
-    _check(run_mpi("sync_checkpoint.py", 4, "save", tmp_path, "pactrain-ternary", timeout=120),
-           "OK save")
-    result = run_mpi("sync_checkpoint.py", 2, "resume", tmp_path, "pactrain-ternary",
-                     timeout=120)
-    _check(result, "OK resume pactrain-ternary from world size 4 at 2",
-           "WARNED: resuming pactrain-ternary at world size 2", "residuals",
-           "per-rank RNG states are reseeded")
-    # Stale per-rank files of older checkpoints were removed; the current ones remain.
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files[0] == "ckpt.pt" and len(files) == 5 and not any(f.endswith(".tmp") for f in files)
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(CHECKPOINTS, CHECKPOINT_LAUNCHES))
+def test_checkpoint_scenario(checkpoint_runs, ranks, scenario):
+    """Resume is bit-exact (pactrain-ternary, topk); a checkpoint saved on 4 ranks resumes on
+    2 with warnings and identical weights."""
+    checkpoint_runs[ranks].check(scenario)

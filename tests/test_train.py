@@ -1,10 +1,11 @@
-"""``pacmpi.adapters.train``: argument handling locally, the job end to end under mpirun."""
+"""``pacmpi.experiments.train``: argument handling locally, the job end to end under mpirun."""
 import sys
 
 import pytest
 
+from pacmpi.experiments import train
+
 from mpi_util import run_mpi  # tests/ is put on sys.path by conftest.py
-from pacmpi.adapters import train
 
 
 def test_parse_gradual():
@@ -14,7 +15,7 @@ def test_parse_gradual():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "int8"}, "method must be"),
+    ({"method": "int8"}, "unknown method 'int8'"),
     ({"dataset": "cifar10"}, "needs --data-dir"),
     ({"resume": True}, "needs --checkpoint"),
     ({"learning_rate": 1}, "unknown config keys"),
@@ -59,7 +60,7 @@ def test_resumed_run_is_bit_identical(tmp_path):
 
 
 def test_watchdog_option_is_parsed_and_validated():
-    from pacmpi.adapters.train import parse_watchdog
+    from pacmpi.experiments.train import parse_watchdog
 
     assert parse_watchdog("60") == (60.0, None)
     assert parse_watchdog("60,600") == (60.0, 600.0)

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpi_util import run_horovod_gloo, run_mpi  # tests/ is put on sys.path by conftest.py
 from pacmpi import Collectives
-from pacmpi.adapters import train
-from pacmpi.adapters.models import DigitsCNN
 from pacmpi.adapters.pruning import named_prunable_parameters, prune
 from pacmpi.adapters.torch_sync import transport
+from pacmpi.experiments import train
+from pacmpi.experiments.models import DigitsCNN
+
+from mpi_util import run_horovod_gloo, run_mpi  # tests/ is put on sys.path by conftest.py
 
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 JOB = "train_hvd_job.py"

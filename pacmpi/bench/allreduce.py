@@ -10,10 +10,9 @@ pass can count wrong elements exactly; sizes are dense-equivalent float32 bytes.
 ``--model NAME`` replaces the sizes by a published architecture's parameter tensors
 (:mod:`pacmpi.bench.models`): a global magnitude mask at each density, and fusion buckets of
 the reducer's ``bucket_bytes`` (25 MiB, like DDP) filled in gradient-ready (reverse) order; the
-dense baselines all-reduce the same buckets, and dense fp16's "codec" is its two casts.
+dense baselines all-reduce the same buckets, and fp16's "codec" is its two casts.
 """
 import argparse
-import json
 import os
 import time
 
@@ -24,27 +23,14 @@ from ..arrays import to_host
 from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from ..collectives import default_collectives
 from ..hierarchy import HierarchicalCollectives
+from ..methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from ..reducer import PacTrainReducer
 from ..ternary import format_wire_bits, wire_bits_table
+from ..units import parse_size
+from . import harness
 from .models import MODELS, magnitude_mask, model_params, random_weights
 
-__all__ = ["METHODS", "parse_size", "run", "format_table", "main"]
-
-METHODS = ("dense-fp32", "dense-fp16", "pactrain", "pactrain-ternary")
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text):
-    """``"64M"`` -> 67108864; raises ValueError naming the bad value."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1] if text and text[-1] in _UNITS else ""
-    try:
-        value = int(float(text[:-1] if unit else text) * _UNITS[unit])
-    except ValueError:
-        raise ValueError(f"bad size {text!r}: use e.g. 1M, 64M, 1G") from None
-    if value < 4:
-        raise ValueError(f"bad size {text!r}: at least 4 bytes")
-    return value
+__all__ = ["run", "format_table", "main"]
 
 
 def _views(flat, shapes):
@@ -95,15 +81,15 @@ def _packed(collectives, mask, quantize, layout):
 
 
 def _make_reduce(method, collectives, mask, layout, xp):
-    if method == "dense-fp32":
-        return _dense(collectives, np.float32, layout, xp)
-    if method == "dense-fp16":
-        return _dense(collectives, np.float16, layout, xp)
-    return _packed(collectives, mask, "ternary" if method.endswith("ternary") else None, layout)
+    spec = METHODS[method]
+    if not spec.packed:
+        return _dense(collectives, np.float16 if spec.quantize == "fp16" else np.float32,
+                      layout, xp)
+    return _packed(collectives, mask, spec.quantize, layout)
 
 
 def _count_wrong(method, result, reference, mask, scale, world):
-    if method != "pactrain-ternary":
+    if METHODS[method].quantize != "ternary":
         return int(np.count_nonzero(result != reference))
     lattice = result / scale if scale > 0 else result
     off_lattice = np.abs(lattice - np.rint(lattice)) > 1e-3 * world
@@ -130,21 +116,13 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
     reduce = _make_reduce(method, collectives, xp.asarray(mask), layout, xp)
     device_grads = xp.asarray(grads)
     work = xp.empty_like(device_grads)
-    times, wire, overhead, verify = [], 0, 0.0, 0.0
-    for i in range(warmup + iters):
+
+    def refill():  # the reduction works in place
         work[...] = device_grads
-        sync = np.zeros(1)
-        collectives.allreduce(sync, "max")  # a barrier over the same transport
-        started = time.perf_counter()
-        wire_bytes, pack_unpack, verify_seconds = reduce(work)
-        elapsed = time.perf_counter() - started
-        if i >= warmup:
-            times.append(elapsed)
-            wire += wire_bytes
-            overhead += pack_unpack
-            verify += verify_seconds
-    slowest = np.array(times)
-    collectives.allreduce(slowest, "max")
+
+    timing = harness.time_op(lambda: reduce(work), iters, warmup=warmup, setup=refill,
+                     collectives=collectives)
+    wire, overhead, verify = (sum(part) for part in zip(*timing.results))
     reference = grads.astype(np.float64)
     collectives.allreduce(reference, "sum")
     scale = np.array([np.abs(_quantized(collectives, grads)).max() if count else 0.0])
@@ -153,16 +131,14 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
                      dtype=np.int64)
     collectives.allreduce(wrong, "sum")
     dense_bytes = count * 4
-    avg = float(slowest.mean())
-    algbw = dense_bytes / avg / 1e9
+    algbw = dense_bytes / timing.mean / 1e9
     return {
         "size_bytes": dense_bytes, "count": count, "density": density, "method": method,
-        "ranks": world, "time_avg_us": avg * 1e6, "time_min_us": float(slowest.min()) * 1e6,
-        "time_max_us": float(slowest.max()) * 1e6, "algbw_GBps": algbw,
+        "ranks": world, "time_avg_us": timing.mean * 1e6, "time_min_us": timing.min * 1e6,
+        "time_max_us": timing.max * 1e6, "algbw_GBps": algbw,
         "busbw_GBps": algbw * 2 * (world - 1) / world,
-        "wire_bytes_per_rank": wire // max(iters, 1),
-        "pack_unpack_us": overhead / max(iters, 1) * 1e6,
-        "verify_us": verify / max(iters, 1) * 1e6, "wrong": int(wrong[0]),
+        "wire_bytes_per_rank": wire // iters, "pack_unpack_us": overhead / iters * 1e6,
+        "verify_us": verify / iters * 1e6, "wrong": int(wrong[0]),
         "buckets": len(layout.buckets), "kept": int(np.count_nonzero(mask)),
     }
 
@@ -193,9 +169,7 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
     staging as the transport decides). ``model`` (a name from :data:`MODELS`) replaces the
     sizes by that architecture's tensors and masks by global magnitude ones.
     """
-    for method in methods:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    methods = [lookup_method(m, ALLREDUCE_METHODS).name for m in methods]
     for density in densities:
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
@@ -208,7 +182,7 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
         n_iters = iters or int(max(3, min(20, (256 << 20) // size)))
         for density, mask in zip(densities, masks):
             for method in methods:
-                if method.startswith("dense") and density != densities[0]:
+                if not METHODS[method].packed and density != densities[0]:
                     continue  # the dense baselines do not depend on the density
                 row = _bench_one(collectives, method, layout, mask, density, n_iters, warmup,
                                  seed, xp)
@@ -218,18 +192,18 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
     return rows
 
 
+_COLUMNS = (("size(B)", "size_bytes", ">11"), ("count", "count", ">10"),
+            ("dens", "density", ">5.2f"), ("method", "method", ">17"),
+            ("avg(us)", "time_avg_us", ">11.1f"), ("min(us)", "time_min_us", ">11.1f"),
+            ("max(us)", "time_max_us", ">11.1f"), ("algbw", "algbw_GBps", ">7.3f"),
+            ("busbw", "busbw_GBps", ">7.3f"), ("wire(B)", "wire_bytes_per_rank", ">11"),
+            ("pack(us)", "pack_unpack_us", ">9.1f"), ("verif(us)", "verify_us", ">9.1f"),
+            ("#wrong", "wrong", ">6"))
+
+
 def format_table(rows):
-    header = (f"{'size(B)':>11} {'count':>10} {'dens':>5} {'method':>17} {'avg(us)':>11} "
-              f"{'min(us)':>11} {'max(us)':>11} {'algbw':>7} {'busbw':>7} {'wire(B)':>11} "
-              f"{'pack(us)':>9} {'verif(us)':>9} {'#wrong':>6}")
-    lines = [header]
-    for r in rows:
-        lines.append(
-            f"{r['size_bytes']:>11} {r['count']:>10} {r['density']:>5.2f} {r['method']:>17} "
-            f"{r['time_avg_us']:>11.1f} {r['time_min_us']:>11.1f} {r['time_max_us']:>11.1f} "
-            f"{r['algbw_GBps']:>7.3f} {r['busbw_GBps']:>7.3f} {r['wire_bytes_per_rank']:>11} "
-            f"{r['pack_unpack_us']:>9.1f} {r['verify_us']:>9.1f} {r['wrong']:>6}")
-    return "\n".join(lines)
+    """The rows as nccl-tests lays them out: one line per (size, density, method)."""
+    return harness.format_table(rows, _COLUMNS)
 
 
 def build_parser(parser=None):
@@ -239,8 +213,8 @@ def build_parser(parser=None):
                         help="comma-separated dense-equivalent float32 sizes (default %(default)s)")
     parser.add_argument("--densities", default="1.0,0.5,0.2,0.1",
                         help="comma-separated mask densities (default %(default)s)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated subset of " + ", ".join(METHODS))
+    parser.add_argument("--methods", default=",".join(ALLREDUCE_METHODS),
+                        help="comma-separated subset of " + ", ".join(ALLREDUCE_METHODS))
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations (default: 3..20, fewer for large sizes)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -333,10 +307,10 @@ def main(argv=None):
             link = {"link": args.link, "topology": args.topology,
                     "nodes": args.nodes or collectives.size,
                     "allreduce_algorithm": _algorithm()} if args.link else {}
-            with open(args.json, "w") as fh:
-                json.dump({"ranks": collectives.size, "model": args.model, **link, "rows": rows,
-                           "ternary_bits": wire_bits_table(word_dtype=("int64", "uint64"))},
-                          fh, indent=2)
+            harness.write_report(args.json, {
+                "ranks": collectives.size, "model": args.model, **link, "rows": rows,
+                "ternary_bits": wire_bits_table(word_dtype=("int64", "uint64"))},
+                "pacmpi bench allreduce")
         if wrong:
             print(f"VALIDATION FAILED: {wrong} wrong elements")
     return 1 if wrong else 0

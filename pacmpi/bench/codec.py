@@ -8,9 +8,7 @@ ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather and 
 kernel is timed on its own: Numba compiling it, or loading it from its on-disk cache.
 """
 import argparse
-import json
 import os
-import statistics
 import time
 
 import numpy as np
@@ -18,8 +16,9 @@ import numpy as np
 from .. import kernels
 from ..arrays import synchronize
 from ..ternary import TernaryCodec, ternary_key
+from . import harness
 
-__all__ = ["OPS", "run", "format_table", "build_parser", "main"]
+__all__ = ["run", "format_table", "build_parser", "main"]
 
 OPS = ("copyto", "absmax", "ternary_encode", "ternary_decode", "gather", "scatter")
 
@@ -72,16 +71,6 @@ class _Bucket:
         return calls[op]
 
 
-def _times(call, repeat, xp):
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        call()
-        synchronize(xp)  # GPU kernels are asynchronous: time them to completion
-        times.append(time.perf_counter() - started)
-    return times
-
-
 def _first_calls(buckets, route, import_seconds):
     """Seconds of each kernel's first fused call (compile or cache load), and the cache's
     account of it."""
@@ -123,14 +112,14 @@ def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word=
             for route in ([] if call is None else ["numpy"] if op == "copyto" else routes):
                 kernels.set_backend("numpy" if route == "numpy" else "auto")
                 try:
-                    times = _times(call, repeat, xp)
+                    timing = harness.time_op(call, repeat, sync=lambda: synchronize(xp))
                 finally:
                     kernels.set_backend(None)
-                best = min(times)
-                copy_seconds = best if op == "copyto" else copy_seconds
+                copy_seconds = timing.min if op == "copyto" else copy_seconds
                 rows.append({"op": op, "density": density, "values": bucket.count,
-                             "route": route, "best_s": best, "median_s": statistics.median(times),
-                             "GBps": size * 4 / best / 1e9, "vs_copyto": best / copy_seconds})
+                             "route": route, "best_s": timing.min, "median_s": timing.median,
+                             "GBps": size * 4 / timing.min / 1e9,
+                             "vs_copyto": timing.min / copy_seconds})
     config = {"size": size, "densities": list(densities), "threads": threads, "ranks": ranks,
               "device": "cpu" if xp is np else "cuda",
               "word_dtype": word, "digits_per_word": codec.digits_per_word, "repeat": repeat,
@@ -141,6 +130,12 @@ def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word=
     return {"config": config, "first_calls": first_calls, "rows": rows}
 
 
+_COLUMNS = (("op", "op", ">15"), ("dens", "density", ">5.2f"), ("route", "route", ">6"),
+            ("best(ms)", lambda r: r["best_s"] * 1e3, ">9.2f"),
+            ("median(ms)", lambda r: r["median_s"] * 1e3, ">10.2f"), ("GB/s", "GBps", ">7.2f"),
+            ("x copyto", "vs_copyto", ">8.2f"))
+
+
 def format_table(result):
     config = result["config"]
     lines = [f"{config['size']} float32 values ({config['dense_bytes'] / 2 ** 20:.0f} MiB), "
@@ -148,12 +143,7 @@ def format_table(result):
              f"{config['word_dtype']} words ({config['digits_per_word']} digits each), "
              f"fused route: {config['fused_route']}"
              + (f" ({config['threading_layer']} threads)" if "threading_layer" in config else ""),
-             f"{'op':>15} {'dens':>5} {'route':>6} {'best(ms)':>9} {'median(ms)':>10} "
-             f"{'GB/s':>7} {'x copyto':>8}"]
-    for r in result["rows"]:
-        lines.append(f"{r['op']:>15} {r['density']:>5.2f} {r['route']:>6} "
-                     f"{r['best_s'] * 1e3:>9.2f} {r['median_s'] * 1e3:>10.2f} {r['GBps']:>7.2f} "
-                     f"{r['vs_copyto']:>8.2f}")
+             harness.format_table(result["rows"], _COLUMNS)]
     lines.append("first fused calls (compile, or load from the cache):")
     for r in result["first_calls"]:
         cache = (f", {r['compiled']} compiled, {r['cache_hits']} from the cache"
@@ -196,8 +186,7 @@ def main(argv=None):
                  args.repeat, args.ranks, args.word, reference=not args.no_reference, xp=xp)
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        harness.write_report(args.json, result, "python -m pacmpi.bench.codec")
     return 0
 
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MODELS", "PUBLISHED_COUNTS", "Param", "model_params", "model_count",
-           "magnitude_mask", "random_weights"]
+__all__ = ["MODELS", "model_params", "magnitude_mask", "random_weights"]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Fused codec kernels for NumPy arrays, compiled by Numba: one parallel pass per call.
+"""Fused codec kernels for NumPy arrays, compiled by Numba: one parallel pass per call; and,
+from the same float16/bfloat16 conversions, the MPI sum function :mod:`pacmpi.half_sum`
+registers (:func:`half_sum_function`).
 
 Imported only on first use (importing Numba takes a while). Every kernel reproduces
 :mod:`pacmpi.kernels.reference` bit for bit: IEEE operations in the same precision and order,
@@ -16,6 +18,7 @@ compiled once per dtype combination, not once per combination of Nones. Arrays a
 with unsigned integers (:func:`_at`): Numba then skips its negative-index wraparound, whose
 select on every address otherwise keeps LLVM from vectorizing the loops (5x slower).
 """
+import functools
 import os
 import platform
 import threading
@@ -24,14 +27,14 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, cfunc, njit, prange, types
 from numba.core import config
 from numba.extending import intrinsic, overload
 
 from .reference import compute_dtype, digit_powers, division_tables
 
 __all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "converts",
-           "compile_stats", "hardware_half_conversions"]
+           "compile_stats", "half_sum_function"]
 
 # Values per parallel work item: small enough to balance threads and stay in L1/L2, big enough
 # to amortize the scheduling.
@@ -414,6 +417,41 @@ def _ternary_decode(words, count, k, base, magics, shifts, ranks, scale, divisor
                 if divide:
                     value = value / divisor
                 flat[_at(indices, packed, j)] = _from_float(value, flat.dtype)
+
+
+# ---------------------------------------------------------------- half-precision MPI sums
+# An MPI_User_function: void(void *in, void *inout, int *len, MPI_Datatype *type).
+_USER_FUNCTION = types.void(types.voidptr, types.voidptr, types.CPointer(types.int32),
+                            types.voidptr)
+# dtype name -> (the Numba-typable view, widening, narrowing conversion). float16 converts in
+# hardware without the kernels' NaN fix-ups: an add quiets a NaN whatever its payload, so they
+# would change no sum's bits, and they keep LLVM from vectorizing the loop (5x slower).
+_HALF_SUM_CONVERSIONS = {
+    "float16": (np.uint16, _half_to_float_hardware, _float_to_half_hardware),
+    "float16 soft": (np.uint16, _half_to_float_soft, _float_to_half_soft),
+    "bfloat16": (np.int16, _bf16_to_float, _float_to_bf16)}
+
+
+@functools.lru_cache(maxsize=None)
+def half_sum_function(name, soft=False):
+    """A compiled MPI_User_function that sums ``len`` values of the dtype called ``name``
+    (``"float16"`` or ``"bfloat16"``): ``inout[i] = round(float32(inout[i]) + float32(in[i]))``,
+    which is NumPy's (ml_dtypes') addition bit for bit but for NaN payloads, through the
+    kernels' own conversions. float16 converts in hardware where the CPU can, else (or with
+    ``soft``, for tests) by bit manipulation. Compiled on the first call for each dtype, in
+    memory only: Numba's disk cache does not take a cfunc built in a function.
+    """
+    soft = name == "float16" and (soft or not _HARDWARE_HALF)
+    view, widen, narrow = _HALF_SUM_CONVERSIONS["float16 soft" if soft else name]
+
+    @cfunc(_USER_FUNCTION)
+    def half_sum(invec, inoutvec, length, datatype):
+        n = length[0]
+        src, acc = carray(invec, n, dtype=view), carray(inoutvec, n, dtype=view)
+        for i in range(n):
+            acc[i] = narrow(widen(acc[i]) + widen(src[i]))
+
+    return half_sum
 
 
 # ---------------------------------------------------------------- Python side

@@ -15,8 +15,7 @@ import numpy as np
 
 from .reference import compute_dtype, digit_powers, division_tables
 
-__all__ = ["SOURCE", "expressions", "gather", "scatter", "absmax", "ternary_encode",
-           "ternary_decode", "converts"]
+__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "converts"]
 
 SOURCE = r"""
 typedef unsigned long long u64;

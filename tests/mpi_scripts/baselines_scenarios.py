@@ -1,26 +1,24 @@
-"""MPI worker: TernGradSync / DGCSync invariants (``baselines_scenarios.py NAME...``).
+"""TernGradSync / DGCSync invariants: every rank runs these tests in this order under mpirun
+(tests/test_baselines.py), and each is reported on its own.
 
-- ``terngrad_exact``: values in {-s, 0, s} (s each rank's own per-layer scale) decode exactly:
+- ``test_terngrad_exact``: values in {-s, 0, s} (s each rank's own per-layer scale) decode exactly:
   the average equals the exact average bit for bit; each rank sends ceil(n/4) code bytes plus
   one float32 scale per layer.
-- ``terngrad_unbiased``: over many steps (fresh random draws each) the mean decoded average
+- ``test_terngrad_unbiased``: over many steps (fresh random draws each) the mean decoded average
   approaches the exact average within 5 standard errors per coordinate (the standard error
   from TernGrad's own variance ``s |g| - g^2``), and the standardized errors have about unit
   variance (the noise is real and of the predicted size).
-- ``dgc_dense``: DGC keeping everything (ratio 1) without momentum masking is dense momentum
+- ``test_dgc_dense``: DGC keeping everything (ratio 1) without momentum masking is dense momentum
   SGD bit for bit (integer-valued gradients, momentum 0.5); with momentum masking it is plain
   SGD bit for bit.
-- ``dgc_conservation``: each step, per rank, sent + residual == accumulated (v + u) exactly,
+- ``test_dgc_conservation``: each step, per rank, sent + residual == accumulated (v + u) exactly,
   the sent values are each layer's largest, the velocity is cleared where sent, and the sum of
   what the ranks sent is what lands (times n) in ``p.grad``.
-- ``identical``: a small CNN trained on per-rank data through each baseline: every rank holds
+- ``test_identical``: a small CNN trained on per-rank data through each baseline: every rank holds
   bit-identical weights after every step.
-
-Rank 0 prints ``OK <name>``; any failure raises (non-zero exit on every rank).
 """
 import hashlib
 import math
-import sys
 
 import numpy as np
 import torch
@@ -28,9 +26,9 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from pacmpi.adapters.baselines import DGCSync, TernGradSync
-from pacmpi.adapters.models import DigitsCNN
-from pacmpi.adapters.torch_sync import broadcast_parameters, make_sync
+from pacmpi.adapters.torch_sync import broadcast_parameters
+from pacmpi.experiments.baselines import DGCSync, TernGradSync, make_sync
+from pacmpi.experiments.models import DigitsCNN
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
@@ -68,7 +66,7 @@ def grads_of(model):
     return [p.grad.detach().clone() for p in model.ps]
 
 
-def terngrad_exact():
+def test_terngrad_exact():
     g = torch.Generator().manual_seed(100 + rank)
     local = []
     for j, shape in enumerate(SHAPES):
@@ -89,7 +87,7 @@ def terngrad_exact():
     assert sync.stats["bytes_sent"] == 3 * (math.ceil(numel / 4) + 4 * len(SHAPES)), sync.stats
 
 
-def terngrad_unbiased(steps=400):
+def test_terngrad_unbiased(steps=400):
     g = torch.Generator().manual_seed(200 + rank)
     local = [torch.randn(shape, generator=g) for shape in SHAPES]
     model = Params()
@@ -134,7 +132,7 @@ def train_params(sync_factory, momentum, steps=6):
     return [p.detach().clone() for p in model.ps]
 
 
-def dgc_dense():
+def test_dgc_dense():
     dense = {m: train_params(lambda model: make_sync(model, "dense"), momentum=m)
              for m in (0.5, 0.0)}
     dgc = {masking: train_params(lambda model: DGCSync(model, ratio=1.0, momentum=0.5,
@@ -147,7 +145,7 @@ def dgc_dense():
     assert any(not torch.equal(a, b) for a, b in zip(dgc[True], dense[0.5]))
 
 
-def dgc_conservation(steps=6):
+def test_dgc_conservation(steps=6):
     model = Params()
     sync = DGCSync(model, ratio=0.2, momentum=0.5)
     numel = sum(sync.sizes)
@@ -186,7 +184,7 @@ def digest(model):
                                    for p in model.parameters())).hexdigest()
 
 
-def identical():
+def test_identical():
     for factory in (lambda m: TernGradSync(m, seed=5), lambda m: DGCSync(m, ratio=0.01)):
         torch.manual_seed(rank)  # different init per rank: the broadcast must fix it
         model = DigitsCNN(width=8, hidden=32)
@@ -203,9 +201,3 @@ def identical():
             digests = comm.allgather(digest(model))
             assert len(set(digests)) == 1, f"{type(sync).__name__} step {step}: {digests}"
         assert sync.stats["bytes_sent"] < 0.2 * 4 * sync.dense_bytes, sync.stats
-
-
-for name in sys.argv[1:]:
-    globals()[name]()
-    comm.Barrier()
-    print(f"OK {name} rank {rank}", flush=True)

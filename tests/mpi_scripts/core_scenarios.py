@@ -1,6 +1,6 @@
-"""Multi-rank checks of PacTrainReducer; each scenario prints 'OK <name>' on every rank."""
+"""Multi-rank checks of PacTrainReducer: every rank runs these tests in this order under
+mpirun (tests/test_core_mpi.py), and each is reported on its own."""
 import pickle
-import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -52,11 +52,7 @@ def expect_raise(error_type, fn, *needles):
     raise AssertionError(f"{error_type.__name__} was not raised on rank {rank}")
 
 
-def ok(name):
-    print(f"OK {name} rank {rank}", flush=True)
-
-
-def scenario_exact():
+def test_exact():
     masks = shared_masks()
     shapes = SHAPES
     for dtype in supported_float_dtypes():
@@ -85,10 +81,9 @@ def scenario_exact():
                             and s.survivors < s.mask.size)
                         assert red.stats["packed_reductions"] == 2 * masked_buckets, red.stats
                         assert red.stats["dense_fallbacks"] == masked_buckets, red.stats
-    ok("exact")
 
 
-def scenario_ternary():
+def test_ternary():
     masks = shared_masks()
     for error_feedback in (False, True):
         red = PacTrainReducer(masks, quantize="ternary", average=False, bucket_bytes=64,
@@ -119,13 +114,14 @@ def scenario_ternary():
                 else:
                     expected[...] = code_sum * scale[0]
                 got = np.concatenate([grads[m.index].reshape(-1) for m in bucket.members])
-                assert np.array_equal(got, expected), (step, b, state.packed, np.flatnonzero(got != expected), got[got != expected], expected[got != expected], scale)
+                wrong = np.flatnonzero(got != expected)
+                assert np.array_equal(got, expected), (step, b, state.packed, wrong, got[wrong],
+                                                       expected[wrong], scale)
                 if error_feedback:  # g + r_old == q + r_new
                     new = red.state_dict()["residuals"][b]
                     new = new[state.indices] if state.packed else new
                     np.testing.assert_allclose(codes * scale[0] + new, values, rtol=0,
                                                atol=1e-6 * max(scale[0], 1))
-    ok("ternary")
 
 
 def rank1_positions_moved(masks):
@@ -136,7 +132,7 @@ def rank1_positions_moved(masks):
     return moved
 
 
-def scenario_mismatch():
+def test_mismatch():
     masks = rank1_positions_moved(shared_masks())
     red = PacTrainReducer(masks, average=False)
     grads = integer_grads(0, np.float32)
@@ -147,10 +143,9 @@ def scenario_mismatch():
     assert fingerprints[0] != fingerprints[1] and fingerprints[0] in str(exc)
     assert fingerprints[1] in str(exc)
     assert all(np.array_equal(g, b) for g, b in zip(grads, before)), "nothing may be summed"
-    ok("mismatch")
 
 
-def scenario_resync():
+def test_resync():
     reference_masks = shared_masks()
     masks = rank1_positions_moved([None if m is None else m.copy() for m in reference_masks])
     red = PacTrainReducer(masks, average=False, on_mismatch="resync", stable_steps=0)
@@ -162,10 +157,9 @@ def scenario_resync():
     assert all(m is None or np.array_equal(m, r) for m, r in zip(masks, reference_masks))
     assert red.stats["resyncs"] == 1, red.stats
     assert red.stats["packed_reductions"] > 0
-    ok("resync")
 
 
-def scenario_layout():
+def test_layout():
     dtypes = [np.float32] * len(SHAPES)
     cases = {
         "length": dict(shapes=[(18, 5) if i == 0 and rank == 1 else s
@@ -182,10 +176,9 @@ def scenario_layout():
                               bucket_bytes=case.get("bucket_bytes", 1 << 20))
         grads = [np.ones(s, dtype=d) for s, d in zip(shapes, case_dtypes)]
         expect_raise(LayoutMismatchError, lambda: red.reduce(grads), "offending ranks")
-    ok("layout")
 
 
-def scenario_bad_input():
+def test_bad_input():
     masks = shared_masks()
     red = PacTrainReducer(masks)
     grads = integer_grads(0, np.float32)
@@ -199,10 +192,9 @@ def scenario_bad_input():
     expect_raise(RankInputError, lambda: PacTrainReducer(bad), "found value 2")
     expect_raise(RankInputError, lambda: PacTrainReducer(masks, quantize="binary"),
                  "quantize must be one of", "'binary'")
-    ok("bad_input")
 
 
-def scenario_edges():
+def test_edges():
     masks = shared_masks()
     wrong_shape = list(masks)
     if rank == 1:
@@ -255,10 +247,9 @@ def scenario_edges():
     reference = dense_reference(grads, [None] * len(grads), False)
     red.reduce(grads)
     assert_exact(grads, reference, "non-contiguous")
-    ok("edges")
 
 
-def scenario_mask_change():
+def test_mask_change():
     masks = shared_masks()
     red = PacTrainReducer(masks, average=False, stable_steps=1)
     fallbacks = []
@@ -275,10 +266,9 @@ def scenario_mask_change():
     assert all(f == everyone[0] for f in everyone), everyone
     assert fallbacks[3] == 1 and fallbacks[4] == 0 and fallbacks[0] > 0, fallbacks
     assert red.tracker.version == 2
-    ok("mask_change")
 
 
-def scenario_state():
+def test_state():
     masks = shared_masks()
     original = PacTrainReducer(masks, quantize="ternary", average=True, seed=3,
                                shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
@@ -308,9 +298,3 @@ def scenario_state():
     assert every3.stats["verifications"] == 2, every3.stats
     wrong = PacTrainReducer(masks, quantize=None, shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
     expect_raise(RankInputError, lambda: wrong.load_state_dict(saved), "quantize='ternary'")
-    ok("state")
-
-
-if __name__ == "__main__":
-    for name in sys.argv[1:]:
-        globals()[f"scenario_{name}"]()

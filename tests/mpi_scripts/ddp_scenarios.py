@@ -1,10 +1,5 @@
-"""PacTrain's DDP communication hook on 2+ ranks under ``torchrun`` (gloo).
-
-Usage: torchrun --standalone --nproc-per-node N ddp_scenarios.py SCENARIO...; each one of
-match, accumulate, prune, dtypes, ternary, unbiased, checkpoint, errors, resync, mismatch. One
-launch runs several scenarios (a launch costs more than most scenarios); every rank prints
-"OK <scenario> rank <r>" after each that passed. In the mismatch scenario every rank prints
-"rank <r> raised <ErrorType>: ..." and exits with status 3.
+"""PacTrain's DDP communication hook on 2+ ranks under ``torchrun`` (gloo): every rank runs these
+tests in this order (tests/test_ddp.py), and each is reported on its own.
 
 Weights, inputs and targets are small integers and the learning rate a power of two. On 2
 ranks a sum of two floats does not depend on order, so hooked runs must equal DDP's default
@@ -17,10 +12,10 @@ resumes, and so from another summation order, as DDP's own all-reduce does.
 import contextlib
 import hashlib
 import io
-import os
 import pickle
-import sys
 
+import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,9 +26,14 @@ from pacmpi import LayoutMismatchError, MaskMismatchError, RankInputError
 from pacmpi.adapters.ddp import PacTrainHookState, TorchDistCollectives, pactrain_hook
 from pacmpi.adapters.pruning import MaskEnforcer, masks_from_torch_prune
 
+from mismatch_checks import assert_stopped_at_step_2
+
 LR = 2.0 ** -6
 SMALL = {"bucket_cap_mb": 0.0002}  # ~200 bytes: several buckets once DDP rebuilds them
-RANK = SIZE = None
+
+dist.init_process_group("gloo")
+RANK, SIZE = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(1)
 
 
 class Net(nn.Module):
@@ -143,7 +143,7 @@ def expect(error_type, call, *needles):
 
 
 # ---------------------------------------------------------------------------------- scenarios
-def scenario_match():
+def test_match():
     """Equal to DDP's all-reduce of masked grads: rebuilt buckets, static_graph,
     gradient_as_bucket_view, find_unused_parameters (with a parameter forward never uses)."""
     for ddp_kw in (SMALL, dict(SMALL, static_graph=True),
@@ -164,14 +164,14 @@ def scenario_match():
     assert run.state.stats["verifications"] == 2, run.state.stats
 
 
-def scenario_accumulate():
+def test_accumulate():
     """Gradient accumulation with no_sync: the hook runs on the synchronized step only."""
     run = train(3, micro=3)
     assert_same(run, train(3, micro=3, hook=False))
     assert run.state.step == 3, run.state.step
 
 
-def scenario_prune():
+def test_prune():
     """A torch.nn.utils.prune model: the logical name "a.weight" names a.weight_orig."""
     def pruned():
         model = Net()
@@ -187,7 +187,7 @@ def scenario_prune():
     assert run.state.engine.tracker.buckets[slot].survivors == int(masks["a.weight"].sum())
 
 
-def scenario_dtypes():
+def test_dtypes():
     """float32 and float64 parameters: DDP buckets per dtype, each reduced in its dtype."""
     run = train(4, model=Net(float64=True))
     assert_same(run, train(4, hook=False, model=Net(float64=True)))
@@ -205,7 +205,7 @@ class Codes(nn.Module):
         return (self.w * c).sum()
 
 
-def scenario_ternary():
+def test_ternary():
     """Ternary lowers the loss of a least-squares fit and matches lossless's progress."""
     def fit(**kw):
         torch.manual_seed(0)
@@ -236,7 +236,7 @@ def scenario_ternary():
     assert state.stats["bytes_sent"] < state.stats["dense_bytes_equivalent"] / 2, state.stats
 
 
-def scenario_unbiased():
+def test_unbiased():
     """Mean of many decoded ternary averages ~ the exact average (without error feedback,
     every step is an independent draw); a biased rounding fails the same check."""
     steps = 300
@@ -296,7 +296,7 @@ def resumed(how, steps, at, dtype, **kw):
     return run
 
 
-def scenario_checkpoint():
+def test_checkpoint():
     """Resuming continues bit for bit (lossless and ternary), although the resumed DDP starts
     from its first-iteration buckets; a checkpoint that does not fit fails on every rank."""
     for dtype, kw in ((torch.float64, {}), (torch.float32, {"quantize": "ternary"})):
@@ -320,7 +320,7 @@ def scenario_checkpoint():
     assert run.state.step == 0
 
 
-def scenario_errors():
+def test_errors():
     """Bad input and DDP layouts that differ between ranks fail on every rank, no hang."""
     last = SIZE - 1
     model = Net()
@@ -330,7 +330,7 @@ def scenario_errors():
     expect(RankInputError, lambda: PacTrainHookState(model, masks),
            f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
     expect(RankInputError, lambda: PacTrainHookState(model, {"nope": None}), "['nope']")
-    expect(RankInputError, lambda: PacTrainHookState(model, {}, quantize="fp16"), "quantize")
+    expect(RankInputError, lambda: PacTrainHookState(model, {}, quantize="fp8"), "quantize")
 
     # find_unused_parameters keeps DDP's first buckets (capped per rank): the last rank's
     # differ. Every rank raises LayoutMismatchError from backward() at step 0.
@@ -345,7 +345,6 @@ def scenario_errors():
     assert flag.item() == SIZE
 
     # TorchDistCollectives by itself.
-    import numpy as np
     coll = TorchDistCollectives()
     buf = np.array([RANK, -RANK], dtype=np.int64)
     coll.allreduce(buf, "max")
@@ -359,7 +358,7 @@ def scenario_errors():
     assert coll.allgather_object(RANK * 2) == [2 * r for r in range(SIZE)]
 
 
-def scenario_resync():
+def test_resync():
     """on_mismatch="resync": the last rank's moved mask is replaced by rank 0's."""
     masks = make_masks(Net())
     ddp = DDP(Net(), **SMALL)
@@ -377,36 +376,18 @@ def scenario_resync():
     assert all(torch.equal(masks[n], original[n]) for n in masks)
 
 
-def scenario_mismatch():
-    """Masks diverge on the last rank at step 2 (same survivor count, other positions)."""
+def test_mismatch():
+    """Masks diverge on the last rank at step 2 (same survivor count, other positions): every
+    rank raises MaskMismatchError naming it, before anything is summed."""
     run = Run()
-    for step in range(4):
-        if step == 2 and RANK == SIZE - 1:
-            flat = run.masks["b.weight"].view(-1)
-            flat.copy_(flat.roll(1))
-        run.optimizer.zero_grad()
-        x, t = batch(step, RANK)
-        (run.ddp(x) * t).sum().backward()
-        print(f"rank {RANK} finished step {step}", flush=True)
-
-
-def main():
-    global RANK, SIZE
-    dist.init_process_group("gloo")
-    RANK, SIZE = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    for scenario in sys.argv[1:]:
-        try:
-            globals()[f"scenario_{scenario}"]()
-        except (MaskMismatchError, LayoutMismatchError, RankInputError) as exc:
-            print(f"rank {RANK} raised {type(exc).__name__}: {exc}", flush=True)
-            sys.stdout.flush()
-            os._exit(3)  # skips DDP's teardown of the interrupted reduction
-        print(f"OK {scenario} rank {RANK}", flush=True)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+    finished = []
+    with pytest.raises(MaskMismatchError) as caught:
+        for step in range(4):
+            if step == 2 and RANK == SIZE - 1:
+                flat = run.masks["b.weight"].view(-1)
+                flat.copy_(flat.roll(1))
+            run.optimizer.zero_grad()
+            x, t = batch(step, RANK)
+            (run.ddp(x) * t).sum().backward()
+            finished.append(step)
+    assert_stopped_at_step_2(caught.value, finished, SIZE - 1, "b.weight")

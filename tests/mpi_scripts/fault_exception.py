@@ -12,8 +12,7 @@ import sys
 
 import numpy as np
 
-from pacmpi import MPICollectives, PacTrainReducer
-from pacmpi import faults
+from pacmpi import MPICollectives, PacTrainReducer, faults
 
 MECHANISM, WHERE, FAIL_RANK, STEP = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 

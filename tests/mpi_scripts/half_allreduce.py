@@ -3,7 +3,7 @@
 Usage: half_allreduce.py check [nonumba]
        half_allreduce.py bench SIZE_MIB ITERS
 
-The route is the one ``pacmpi.collectives`` picks (``PACMPI_HALF_SUM`` steers it); ``nonumba``
+The route is the one ``pacmpi.half_sum`` picks (``PACMPI_HALF_SUM`` steers it); ``nonumba``
 hides Numba, as on an installation without it. ``check`` prints ``HALF-OK <route>`` on every
 rank once every check passed; ``bench`` prints, on rank 0, ``BENCH <label> <size> MiB: min X
 ms, median Y ms`` for a float16 and a float32 all-reduce of SIZE_MIB MiB each.
@@ -19,8 +19,8 @@ from mpi4py import MPI
 
 from pacmpi import faults
 from pacmpi.arrays import bfloat16_dtype
-from pacmpi.collectives import (MPICollectives, _half_dtypes, _half_results_agree,
-                                _half_self_test_pairs, _half_sum, half_sum_route)
+from pacmpi.collectives import MPICollectives
+from pacmpi.half_sum import _results_agree, _self_test_pairs, half_dtypes, half_sum, half_sum_route
 
 faults.install_excepthook()  # a failed check on one rank ends the job instead of hanging it
 MODE = sys.argv[1]
@@ -38,11 +38,11 @@ def finfo(dtype):
 def check(dtype):
     name = np.dtype(dtype).name
     # 1. The op itself, locally, on bit patterns with every kind of special value.
-    half = _half_sum(MPI, dtype)
-    a, b = _half_self_test_pairs(np.dtype(dtype))
+    half = half_sum(MPI, dtype)
+    a, b = _self_test_pairs(np.dtype(dtype))
     got = b.copy()
     half.op.Reduce_local([a, a.size, half.datatype], [got, got.size, half.datatype])
-    assert _half_results_agree(np.dtype(dtype), a, b, got), f"{name}: Reduce_local"
+    assert _results_agree(np.dtype(dtype), a, b, got), f"{name}: Reduce_local"
 
     # 2. Small integers: every partial sum is exact in any order, so the result is exact.
     #    Several lengths, including ones MPI splits into segments and the empty buffer.
@@ -85,7 +85,7 @@ def check(dtype):
 
 
 if MODE == "check":
-    dtypes = _half_dtypes()
+    dtypes = half_dtypes()
     assert bfloat16_dtype() is None or len(dtypes) == 2
     for dtype in dtypes:
         check(dtype)

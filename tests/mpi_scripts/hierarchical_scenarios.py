@@ -1,26 +1,32 @@
-"""Multi-rank checks of PacTrainReducer(hierarchical=True); each scenario prints 'OK <name>' on
-every rank.
+"""Multi-rank checks of PacTrainReducer(hierarchical=True): every rank runs these tests in this
+order under mpirun (tests/test_hierarchical.py), and each is reported on its own.
 
-Usage: hierarchical_scenarios.py RANKS_PER_NODE SCENARIO...; RANKS_PER_NODE is a number (node
-communicator: COMM_WORLD split as rank // RANKS_PER_NODE) or ``default`` (the reducer finds the
-nodes itself).
+The environment variable PACMPI_TEST_RANKS_PER_NODE is a number (node communicator: COMM_WORLD
+split as rank // RANKS_PER_NODE) or ``default`` (the reducer finds the nodes itself).
 """
 import math
+import os
 import pickle
 import socket
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-from core_scenarios import (SHAPES, assert_exact, dense_reference, expect_raise, integer_grads,
-                            ok, shared_masks)
 from pacmpi import MaskMismatchError, PacTrainReducer, RankInputError
 from pacmpi.arrays import supported_float_dtypes
 
+from core_scenarios import (
+    SHAPES,
+    assert_exact,
+    dense_reference,
+    expect_raise,
+    integer_grads,
+    shared_masks,
+)
+
 comm = MPI.COMM_WORLD
 rank, world = comm.Get_rank(), comm.Get_size()
-PER_NODE = sys.argv[1]
+PER_NODE = os.environ["PACMPI_TEST_RANKS_PER_NODE"]
 NODE = None if PER_NODE == "default" else comm.Split(rank // int(PER_NODE), key=rank)
 
 
@@ -32,7 +38,7 @@ def bits(arrays):
     return [a.tobytes() for a in arrays]
 
 
-def scenario_exact():
+def test_exact():
     """Lossless and float16 payloads: the hierarchical sums are the flat reducer's, bit for
     bit, in blocking and nonblocking modes, with equal counters."""
     masks = shared_masks()
@@ -62,10 +68,9 @@ def scenario_exact():
                     "verifications", "bytes_sent"):
             assert flat.stats[key] == hier.stats[key], (key, flat.stats, hier.stats)
         assert hier.stats["packed_reductions"] > 0
-    ok("exact")
 
 
-def scenario_ternary():
+def test_ternary():
     """Unbiased: the mean of many quantized node sums is the exact average within a
     statistical bound (biased rounding fails the same check); every result lies on the lattice
     of K node codes in base-(2K+1) words."""
@@ -112,10 +117,9 @@ def scenario_ternary():
     red.reduce(grads)
     assert np.isposinf(grads[0][kept]) and grads[0][pruned] == 0, grads[0][[kept, pruned]]
     assert np.isfinite(np.delete(grads[0], kept)).all() and red.stats["nonfinite_fallbacks"] == 1
-    ok("ternary")
 
 
-def scenario_state():
+def test_state():
     """Error feedback keeps the node sums' residuals on the leaders only (sum over leaders of
     node sum + r_old - r_new is the decoded sum); state_dict round trips and, with the default
     nodes, pickling, continue bit for bit."""
@@ -158,7 +162,6 @@ def scenario_state():
             grads = grads_at(step)
             red.reduce(grads)
             assert bits(grads) == bits(expected), step
-    ok("state")
 
 
 def moved_on(victim, masks):
@@ -177,7 +180,7 @@ def victims():
     return sorted({layout[-1][0], *non_leaders[-1:]} - {0})
 
 
-def scenario_mismatch():
+def test_mismatch():
     for victim in victims():
         red = hierarchical(moved_on(victim, shared_masks()), average=False)
         grads = integer_grads(0, np.float32)
@@ -186,10 +189,9 @@ def scenario_mismatch():
                            f"offending ranks: [{victim}]")
         assert exc.offending_ranks == (victim,)
         assert bits(grads) == bits(before), "nothing may be summed"
-    ok("mismatch")
 
 
-def scenario_resync():
+def test_resync():
     reference_masks = shared_masks()
     victim = victims()[-1]
     masks = moved_on(victim, [None if m is None else m.copy() for m in reference_masks])
@@ -201,10 +203,9 @@ def scenario_resync():
         assert_exact(grads, reference, f"resync step {step}")
     assert all(m is None or np.array_equal(m, r) for m, r in zip(masks, reference_masks))
     assert red.stats["resyncs"] == 1 and red.stats["packed_reductions"] > 0, red.stats
-    ok("resync")
 
 
-def scenario_bad_node_comm():
+def test_bad_node_comm():
     masks = shared_masks()
     halves = comm.Split(rank % 2, key=rank)  # COMM_WORLD has ranks outside each half
     expect_raise(RankInputError, lambda: PacTrainReducer(masks, comm=halves, hierarchical=True,
@@ -221,10 +222,9 @@ def scenario_bad_node_comm():
     expect_raise(ValueError, lambda: PacTrainReducer(masks, node_comm=pairs),
                  "node_comm= needs hierarchical=True")
     assert hierarchical_on(pairs).collectives.nodes == (world + 1) // 2  # negative control
-    ok("bad_node_comm")
 
 
-def scenario_nodes():
+def test_nodes():
     """Found nodes are the hosts (the node test bed gives each its own host name and network
     namespace); each node's ranks are consecutive, its leader the lowest."""
     layout = hierarchical([None]).collectives.node_layout
@@ -232,13 +232,7 @@ def scenario_nodes():
     assert len(layout) == len(set(hosts)), (layout, hosts)
     assert all(len({hosts[r] for r in members}) == 1 for members in layout), (layout, hosts)
     assert all(list(m) == sorted(m) for m in layout), layout
-    ok("nodes")
 
 
 def hierarchical_on(node_comm):
     return PacTrainReducer(shared_masks(), hierarchical=True, node_comm=node_comm)
-
-
-if __name__ == "__main__":
-    for name in sys.argv[2:]:
-        globals()[f"scenario_{name}"]()

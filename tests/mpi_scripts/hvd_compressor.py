@@ -1,9 +1,6 @@
-"""PacTrainCompressor / HorovodCollectives on 2+ Horovod ranks (horovodrun --gloo or mpirun).
-
-Usage: hvd_compressor.py SCENARIO..., each one of: match, gradual, ternary, reducer, checkpoint,
-prune, interrupt, mismatch (several scenarios share one launch, which costs more than most
-scenarios). Every rank prints "OK <scenario> rank <r>" after each scenario that passed. In the
-mismatch scenario every rank prints "rank <r> raised <ErrorType>: ..." and exits with status 3.
+"""PacTrainCompressor / HorovodCollectives on 2+ Horovod ranks (horovodrun --gloo or mpirun):
+every rank runs these tests in this order (tests/test_horovod.py), and each is reported on its
+own.
 
 Gradients are integer-valued (small integer weights and inputs, lr a power of two), so sums
 are exact and packed results must equal Horovod's dense results bit for bit; ternary runs are
@@ -11,20 +8,24 @@ deterministic, so a resumed or retried run must equal the uninterrupted one bit 
 """
 import io
 import pickle
-import sys
 import warnings
 
+import horovod.torch as hvd
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune
 
-import horovod.torch as hvd
 from pacmpi import MaskMismatchError, PacTrainReducer, RankInputError
 from pacmpi.adapters.horovod import HorovodCollectives, PacTrainCompressor
 from pacmpi.adapters.pruning import masks_from_torch_prune
 
+from mismatch_checks import assert_stopped_at_step_2
+
 LR = 2.0 ** -6
+
+hvd.init()
 
 
 def integer_model():
@@ -128,7 +129,7 @@ def assert_same_run(run, reference):
         assert torch.equal(p, q), "weights differ from the reference run"
 
 
-def scenario_match():
+def test_match():
     masks = make_masks(integer_model())
     for op in (hvd.Average, hvd.Sum):
         run = train(lambda step: masks, 4, "pactrain", op=op)
@@ -136,7 +137,7 @@ def scenario_match():
         stats = run.compressor.stats
         # stable_steps=1: the first step reduces the fresh masks dense, later steps pack.
         assert stats["steps"] == 4 and stats["verifications"] == 4, stats
-        assert stats["dense_fallbacks"] == 2 and stats["packed_tensors"] == 6, stats
+        assert stats["dense_fallbacks"] == 2 and stats["packed_reductions"] == 6, stats
         assert stats["bytes_sent"] < stats["dense_bytes_equivalent"], stats
 
     # Verifying every other step re-reads masks less often and changes nothing else.
@@ -156,23 +157,23 @@ def scenario_match():
     weight = model[0].weight
     expected = hvd.allreduce(weight.grad * masks["0.weight"], op=hvd.Sum, name="expected")
     got = hvd.allreduce(weight.grad, op=hvd.Sum, compression=compressor, name="got")
-    assert torch.equal(got, expected) and compressor.stats["packed_tensors"] == 1
+    assert torch.equal(got, expected) and compressor.stats["packed_reductions"] == 1
     alias = weight.grad.view(weight.shape)  # another tensor object on the same storage
     got = hvd.allreduce(alias, op=hvd.Sum, compression=compressor, name="alias")
-    assert torch.equal(got, expected) and compressor.stats["packed_tensors"] == 2
+    assert torch.equal(got, expected) and compressor.stats["packed_reductions"] == 2
 
     # Negative control: a tensor that is no bound .grad fails on every rank, no hang.
     expect_rank_error(lambda: hvd.allreduce(torch.zeros(3), compression=compressor,
                                             name="stray"), "not the .grad")
 
 
-def scenario_gradual():
+def test_gradual():
     masks_at = gradual_masks()
     run = train(masks_at, 7, "pactrain", stable_steps=2)
     assert_same_run(run, train(masks_at, 7, hvd.Compression.none))
     stats = run.compressor.stats
     # Two masked weights: dense at steps 0-1 (new), packed 2, dense 3-4 (changed), packed 5-6.
-    assert stats["dense_fallbacks"] == 8 and stats["packed_tensors"] == 6, stats
+    assert stats["dense_fallbacks"] == 8 and stats["packed_reductions"] == 6, stats
     assert run.compressor.tracker.version == 2, run.compressor.tracker.version
 
 
@@ -198,7 +199,7 @@ def ternary_grads(rank):
     return c, d
 
 
-def scenario_ternary():
+def test_ternary():
     mask = torch.rand(40, 50, generator=torch.Generator().manual_seed(5)) < 0.5
     c, d = ternary_grads(hvd.rank())
     code_sum_w = hvd.allreduce((c / 3).long() * mask, op=hvd.Sum, name="codes.w")
@@ -218,7 +219,7 @@ def scenario_ternary():
             assert torch.equal(model.b.grad, (3 * code_sum_b).float() / divisor), step
             with optimizer.skip_synchronize():
                 optimizer.step()
-        assert compressor.stats["packed_tensors"] == 2, compressor.stats
+        assert compressor.stats["packed_reductions"] == 2, compressor.stats
         assert compressor.stats["bytes_sent"] < compressor.stats["dense_bytes_equivalent"] / 4
 
     # Stochastic rounding (scale 3, values +-1, +-2): every result is scale * (sum of codes).
@@ -253,7 +254,7 @@ def scenario_ternary():
             raise AssertionError(f"ternary words were averaged without an error ({call})")
 
 
-def scenario_reducer():
+def test_reducer():
     shapes = [(6, 5), (7,), (33,)]
     masks = [np.random.default_rng(3).random(s) < 0.4 for s in shapes]
     masks[1] = None
@@ -310,7 +311,7 @@ def resumed(masks_at, how, op=hvd.Average, **kw):
     return run
 
 
-def scenario_checkpoint():
+def test_checkpoint():
     """Resuming mid-way through a mask change (dense until stable, then packed) continues bit
     for bit; a checkpoint that does not fit is refused on every rank, changing nothing."""
     masks_at = gradual_masks()
@@ -360,7 +361,7 @@ def torch_pruned_model():
     return model
 
 
-def scenario_prune():
+def test_prune():
     """torch.nn.utils.prune interop: masks keyed by logical names ("0.weight", whose gradient
     lands on 0.weight_orig) pack and equal Horovod's dense run; bad keys fail everywhere."""
     model = torch_pruned_model()
@@ -372,7 +373,7 @@ def scenario_prune():
     reference = train(lambda step: masks, 4, hvd.Compression.none, model=torch_pruned_model())
     assert_same_run(run, reference)
     stats = run.compressor.stats
-    assert stats["dense_fallbacks"] == 2 and stats["packed_tensors"] == 6, stats
+    assert stats["dense_fallbacks"] == 2 and stats["packed_reductions"] == 6, stats
     orig = [name for name, _ in model.named_parameters()].index("0.weight_orig")
     assert run.compressor.tracker.buckets[orig].survivors == int(masks["0.weight"].sum())
 
@@ -423,7 +424,7 @@ def abandon(optimizer, compressor=None):
     optimizer.load_state_dict(optimizer.state_dict())
 
 
-def scenario_interrupt():
+def test_interrupt():
     """Backward raises at step 2 after two gradients went out; the step is retried after
     reset_step() or, without it, after the compressor notices: bit-identical to a run that
     never failed, also in ternary mode (no residual of the abandoned step is kept)."""
@@ -454,34 +455,23 @@ def scenario_interrupt():
             assert run.compressor.step == 5 and run.compressor.outstanding == 0
 
 
-def scenario_mismatch():
-    """Masks diverge on the last rank at step 2 (same survivor count, other positions)."""
+def test_mismatch():
+    """Masks diverge on the last rank at step 2 (same survivor count, other positions): every
+    rank raises MaskMismatchError naming it, before anything is summed."""
     model = integer_model()
     masks = make_masks(model)
     compressor = PacTrainCompressor(model, masks)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                          named_parameters=model.named_parameters(),
                                          compression=compressor)
-    for step in range(4):
-        if step == 2 and hvd.rank() == hvd.size() - 1:
-            flat = masks["2.weight"].view(-1)
-            flat.copy_(flat.roll(1))
-        optimizer.zero_grad()
-        backward(model, step)
-        optimizer.step()
-        print(f"rank {hvd.rank()} finished step {step}", flush=True)
-
-
-def main():
-    hvd.init()
-    for scenario in sys.argv[1:]:
-        try:
-            globals()[f"scenario_{scenario}"]()
-        except (MaskMismatchError, RankInputError) as exc:
-            print(f"rank {hvd.rank()} raised {type(exc).__name__}: {exc}", flush=True)
-            sys.exit(3)
-        print(f"OK {scenario} rank {hvd.rank()}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    finished = []
+    with pytest.raises(MaskMismatchError) as caught:
+        for step in range(4):
+            if step == 2 and hvd.rank() == hvd.size() - 1:
+                flat = masks["2.weight"].view(-1)
+                flat.copy_(flat.roll(1))
+            optimizer.zero_grad()
+            backward(model, step)
+            optimizer.step()
+            finished.append(step)
+    assert_stopped_at_step_2(caught.value, finished, hvd.size() - 1, "2.weight")

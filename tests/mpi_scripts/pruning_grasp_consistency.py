@@ -16,9 +16,9 @@ import sys
 import torch
 from mpi4py import MPI
 
-from pacmpi.adapters.data import iterate_minibatches, load_digits_split, shard
-from pacmpi.adapters.models import DigitsCNN
-from pacmpi.adapters.pruning import mask_fingerprint, named_prunable_parameters, prune
+from pacmpi.adapters.pruning import masks_digest, named_prunable_parameters, prune
+from pacmpi.experiments.data import iterate_minibatches, load_digits_split, shard
+from pacmpi.experiments.models import DigitsCNN
 
 RATIO = 0.8
 
@@ -53,8 +53,8 @@ def main() -> int:
     shared = prune(model, RATIO, "grasp", data=batches, grasp_batches=2, comm=comm)
     raised = failure_is_collective(comm, copy.deepcopy(model), batches)
 
-    local_fps = comm.gather(mask_fingerprint(local), root=0)
-    shared_fps = comm.gather(mask_fingerprint(shared), root=0)
+    local_fps = comm.gather(masks_digest(local), root=0)
+    shared_fps = comm.gather(masks_digest(shared), root=0)
     checks = comm.gather(exact_and_zero(model, shared), root=0)
     raised_all = comm.gather(raised, root=0)
     failures = []
@@ -66,9 +66,11 @@ def main() -> int:
         if shared_fps[0] != local_fps[0]:
             failures.append("broadcast masks are not rank 0's decision")
         if not all(checks):
-            failures.append(f"ratio/zero check failed on ranks {[r for r, ok in enumerate(checks) if not ok]}")
+            bad = [r for r, ok in enumerate(checks) if not ok]
+            failures.append(f"ratio/zero check failed on ranks {bad}")
         if not all(raised_all):
-            failures.append(f"rank-0 failure did not raise on ranks {[r for r, ok in enumerate(raised_all) if not ok]}")
+            bad = [r for r, ok in enumerate(raised_all) if not ok]
+            failures.append(f"rank-0 failure did not raise on ranks {bad}")
         print("OK" if not failures else "FAIL: " + "; ".join(failures), flush=True)
     return comm.bcast(1 if failures else 0, root=0)
 

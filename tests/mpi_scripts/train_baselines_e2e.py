@@ -1,4 +1,4 @@
-"""MPI worker: ``pacmpi.adapters.train`` with the all-gather baselines, error feedback off and
+"""MPI worker: ``pacmpi.experiments.train`` with the all-gather baselines, error feedback off and
 the bias probe, one short epoch each on a small CNN (``train_baselines_e2e.py DIR``).
 
 - terngrad, dgc: train to a sane accuracy, identical final models on every rank, fewer bytes
@@ -14,7 +14,7 @@ import sys
 
 from mpi4py import MPI
 
-from pacmpi.adapters.train import run
+from pacmpi.experiments.train import run
 
 comm = MPI.COMM_WORLD
 directory = sys.argv[1]

@@ -1,4 +1,4 @@
-"""MPI worker: ``pacmpi.adapters.train`` end to end on a small CNN.
+"""MPI worker: ``pacmpi.experiments.train`` end to end on a small CNN.
 
 ``train_e2e.py methods DIR``: one short epoch per method through ``run()`` (and ``main()`` with
 ``--json`` for the last); checks the result dict, accuracy, identical final models on every rank
@@ -15,7 +15,7 @@ import sys
 
 from mpi4py import MPI
 
-from pacmpi.adapters.train import main, run
+from pacmpi.experiments.train import main, run
 
 comm = MPI.COMM_WORLD
 mode, directory = sys.argv[1], sys.argv[2]

@@ -1,4 +1,4 @@
-"""Worker: ``pacmpi.adapters.train`` with ``--backend horovod``, under ``horovodrun --gloo`` (no
+"""Worker: ``pacmpi.experiments.train`` with ``--backend horovod``, under ``horovodrun --gloo`` (no
 MPI world) or ``mpirun``.
 
 ``train_hvd_job.py OUT PRETRAINED BACKEND:METHOD ...``: one short fine-tuning per entry (in the
@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from pacmpi.adapters.models import build_model
 from pacmpi.adapters.pruning import prune
-from pacmpi.adapters.train import collectives_for, fine_tune, main
+from pacmpi.experiments.models import build_model
+from pacmpi.experiments.train import collectives_for, fine_tune, main
 
 out, pretrained, entries = sys.argv[1], sys.argv[2], sys.argv[3:]
 RATIO = 0.5

@@ -44,28 +44,41 @@ import torch
 import torch.nn.functional as F
 
 from pacmpi import MPICollectives
-from pacmpi.adapters.baselines import METHODS as BASELINE_METHODS
-from pacmpi.adapters.baselines import make_baseline
 from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkpoint
-from pacmpi.adapters.data import (iterate_minibatches, load_cifar10, load_digits32_split,
-                                  load_digits_split, shard)
-from pacmpi.adapters.models import build_model, count_parameters
-from pacmpi.adapters.pruning import GradualPruningSchedule, MaskEnforcer, prune
-from pacmpi.adapters.torch_sync import METHODS as SYNC_METHODS
-from pacmpi.adapters.torch_sync import (barrier, broadcast_buffers, broadcast_object,
-                                       broadcast_parameters, make_sync)
+from pacmpi.adapters.pruning import PRUNING_CRITERIA, GradualPruningSchedule, MaskEnforcer, prune
+from pacmpi.adapters.torch_sync import (
+    barrier,
+    broadcast_buffers,
+    broadcast_object,
+    broadcast_parameters,
+)
+from pacmpi.experiments.baselines import make_baseline, make_sync
+from pacmpi.experiments.data import (
+    iterate_minibatches,
+    load_cifar10,
+    load_digits32_split,
+    load_digits_split,
+    shard,
+)
+from pacmpi.experiments.models import build_model, count_parameters
+from pacmpi.methods import ALLREDUCE_METHODS, METHODS, lookup_method
 
 __all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "fine_tune", "main",
-           "parse_gradual", "parse_watchdog", "pretrained_state", "run"]
+           "pretrained_state", "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-BACKENDS = ("mpi", "horovod", "ddp")
-METHODS = SYNC_METHODS + BASELINE_METHODS + ("powersgd",)
 # Methods whose synchronized p.grad estimates the average gradient (DGC's carries its momentum).
-PROBED_METHODS = SYNC_METHODS + ("terngrad",)
+PROBED_METHODS = ALLREDUCE_METHODS + ("topk", "terngrad")
 # The all-gather baselines run over mpi4py (--backend mpi).
-GATHER_METHODS = ("topk",) + BASELINE_METHODS
-DDP_METHODS = ("dense", "fp16", "powersgd", "pactrain", "pactrain-ternary")
+GATHER_METHODS = tuple(name for name, m in METHODS.items() if m.collective == "allgather")
+# What each backend runs: the all-reduces (pacmpi's engine, or the framework's own for dense
+# and fp16) everywhere, the all-gathers over mpi4py, PowerSGD as DDP's powerSGD_hook.
+BACKEND_METHODS = {
+    "mpi": ALLREDUCE_METHODS + GATHER_METHODS,
+    "horovod": ALLREDUCE_METHODS,
+    "ddp": tuple(name for name, m in METHODS.items() if m.collective in ("allreduce", "powersgd")),
+}
+BACKENDS = tuple(BACKEND_METHODS)
 DATASETS = ("digits", "digits32", "cifar10")  # digits32: the digits upscaled to 32x32
 
 
@@ -75,7 +88,8 @@ class TrainConfig:
 
     dataset: str = "digits"            # "digits" (scikit-learn, offline), "digits32" or "cifar10"
     data_dir: Optional[str] = None     # CIFAR-10 location (never downloaded)
-    model: Optional[str] = None        # digits_cnn | mlp | cifar_cnn | resnet18 (default by dataset)
+    # digits_cnn | mlp | cifar_cnn | resnet18 (default by dataset)
+    model: Optional[str] = None
     width: int = 32                    # CNN channels of the first conv
     hidden: str = "256"                # hidden units: one int (CNN) or a list "2048,1024" (MLP)
     pretrained: Optional[str] = None   # cache of the densely pretrained model
@@ -131,17 +145,17 @@ def _config(config):
     if unknown:
         raise ValueError(f"unknown config keys: {unknown}")
     cfg = TrainConfig(**config)
-    checks = [(cfg.method in METHODS, f"method must be one of {METHODS}"),
-              (cfg.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
+    cfg.method = lookup_method(cfg.method).name
+    checks = [(cfg.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
               (cfg.backend in BACKENDS, f"backend must be one of {BACKENDS}"),
               (cfg.dataset in DATASETS, f"dataset must be one of {DATASETS}, got {cfg.dataset!r}"),
               (cfg.dataset != "cifar10" or cfg.data_dir, "--dataset cifar10 needs --data-dir"),
               (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint"),
-              (cfg.backend != "horovod" or cfg.method not in GATHER_METHODS + ("powersgd",),
-               "--backend horovod supports --method dense|fp16|pactrain|pactrain-ternary; "
+              (cfg.backend != "horovod" or cfg.method in BACKEND_METHODS["horovod"],
+               f"--backend horovod supports --method {'|'.join(BACKEND_METHODS['horovod'])}; "
                f"run --method {'|'.join(GATHER_METHODS)} with --backend mpi"),
-              (cfg.backend != "ddp" or cfg.method in DDP_METHODS,
-               f"--backend ddp supports --method {'|'.join(DDP_METHODS)}"),
+              (cfg.backend != "ddp" or cfg.method in BACKEND_METHODS["ddp"],
+               f"--backend ddp supports --method {'|'.join(BACKEND_METHODS['ddp'])}"),
               (cfg.method != "powersgd" or cfg.backend == "ddp",
                "--method powersgd is DDP's powerSGD_hook: use --backend ddp"),
               (cfg.powersgd_rank >= 1, "--powersgd-rank must be at least 1"),
@@ -312,11 +326,12 @@ def _close_process_group():
 def collectives_for(backend, watchdog=None):
     """The transport every collective of the job runs on: for ``"mpi"`` an
     :class:`pacmpi.MPICollectives` on a duplicate of ``COMM_WORLD`` (watched by a
-    :class:`pacmpi.watchdog.StallWatchdog` when ``watchdog`` is ``"WARN[,ABORT]"``); for ``"horovod"``
-    ``hvd.init()`` and a :class:`pacmpi.adapters.horovod.HorovodCollectives` (works under
-    ``horovodrun --gloo``, where there is no MPI world, and under ``mpirun``); for ``"ddp"``
-    ``torch.distributed`` (initialized from torchrun's environment if it is not yet, gloo;
-    without torchrun, a world of one) and a :class:`pacmpi.adapters.ddp.TorchDistCollectives`.
+    :class:`pacmpi.watchdog.StallWatchdog` when ``watchdog`` is ``"WARN[,ABORT]"``); for
+    ``"horovod"`` ``hvd.init()`` and a :class:`pacmpi.adapters.horovod.HorovodCollectives`
+    (works under ``horovodrun --gloo``, where there is no MPI world, and under ``mpirun``); for
+    ``"ddp"`` ``torch.distributed`` (initialized from torchrun's environment if it is not yet,
+    gloo; without torchrun, a world of one) and a
+    :class:`pacmpi.adapters.ddp.TorchDistCollectives`.
     Collective."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -355,7 +370,7 @@ class _FrameworkSync:
                       "packed_reductions": 0, "dense_reductions": 0}
         self.last_step = {}
 
-    def update_masks(self, masks):
+    def set_masks(self, masks):
         with torch.no_grad():
             for name, mask in masks.items():
                 self.masks[name].copy_(mask)
@@ -390,10 +405,11 @@ class _HorovodSync(_FrameworkSync):
         hvd, adapter = _horovod()
         super().__init__(cfg, model, masks)
         op = hvd.Average
-        if cfg.method.startswith("pactrain"):
-            ternary = cfg.method == "pactrain-ternary"
+        method = METHODS[cfg.method]
+        if method.packed:
+            ternary = method.quantize == "ternary"
             self.compressor = adapter.PacTrainCompressor(
-                model, masks, quantize="ternary" if ternary else None, average=ternary,
+                model, masks, quantize=method.quantize, average=ternary,
                 stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
             compression, op = self.compressor, (hvd.Sum if ternary else hvd.Average)
         else:
@@ -408,7 +424,7 @@ class _HorovodSync(_FrameworkSync):
         c = None if self.compressor is None else self.compressor.stats
         self._record(None if c is None else dict(
             bytes_sent=c["bytes_sent"], dense_fallbacks=c["dense_fallbacks"],
-            packed_reductions=c["packed_tensors"], dense_reductions=c["dense_tensors"]),
+            packed_reductions=c["packed_reductions"], dense_reductions=c["dense_reductions"]),
             self._wire_bytes, compute_seconds=compute_seconds, comm_seconds=step_seconds,
             wait_seconds=step_seconds)
 
@@ -436,9 +452,9 @@ class _DDPSync(_FrameworkSync):
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             bucket_cap_mb = max(25, -(-model_bytes // (1 << 20)) + 1)
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        if cfg.method.startswith("pactrain"):
+        if METHODS[cfg.method].packed:
             self.state = PacTrainHookState(
-                self.ddp, masks, quantize="ternary" if cfg.method == "pactrain-ternary" else None,
+                self.ddp, masks, quantize=METHODS[cfg.method].quantize,
                 stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
             self.ddp.register_comm_hook(self.state, pactrain_hook)
         elif cfg.method == "fp16":
@@ -615,7 +631,7 @@ def fine_tune(config, collectives=None):
     elif cfg.backend == "horovod":
         sync = _HorovodSync(cfg, model, optimizer, enforcer.masks, enforcer)
         optimizer = sync.optimizer
-    elif cfg.method in BASELINE_METHODS:  # all-gathers through mpi4py (--backend mpi only)
+    elif cfg.method in ("terngrad", "dgc"):  # make_baseline's: all-gathers through mpi4py
         sync = make_baseline(model, cfg.method, comm=collectives.comm, masks=masks,
                              ratio=cfg.topk_ratio, momentum=cfg.momentum, seed=cfg.seed)
         sync.attach(optimizer)
@@ -666,7 +682,7 @@ def fine_tune(config, collectives=None):
                 new = schedule.step(model, step, data=grasp_data, collectives=collectives)
                 if new is not None:
                     enforcer.update(new)
-                    sync.update_masks(new)
+                    sync.set_masks(new)
             t0 = time.perf_counter()
             optimizer.zero_grad()
             loss = F.cross_entropy(forward(xb), yb)
@@ -758,8 +774,8 @@ class _NoBar:
 def build_parser():
     parser = argparse.ArgumentParser(prog="pacmpi train", description=__doc__.split("\n")[0])
     defaults = TrainConfig()
-    choices = {"method": METHODS, "optimizer": OPTIMIZERS, "backend": BACKENDS,
-               "dataset": DATASETS, "prune_method": ("magnitude", "grasp"),
+    choices = {"method": tuple(METHODS), "optimizer": OPTIMIZERS, "backend": BACKENDS,
+               "dataset": DATASETS, "prune_method": PRUNING_CRITERIA,
                "model": ("digits_cnn", "mlp", "cifar_cnn", "resnet18")}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -800,7 +816,22 @@ def main(argv=None):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    if cfg.backend == "ddp":
+        _exit_after_gloo()
     return 0
+
+
+def _exit_after_gloo():
+    """End a finished ``--backend ddp`` job without interpreter finalization: torch 2.13's gloo
+    can abort a finished rank while the interpreter is torn down (a C++ worker thread reaching
+    Python after finalization began: "terminate called without an active exception", about 1
+    run in 8 on a loaded 2-core host, with or without destroy_process_group()), which torchrun
+    reports as a failed job. Every rank arrives and the group is destroyed first, the results
+    are already written, so nothing is lost by leaving through ``os._exit``."""
+    _close_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The same fine-tuning run (``pacmpi bench train``'s workload, unshaped: this is a
 and error, not time) four ways: dense, pruned lossless, dense + ternary, pruned + ternary, the
 ternary ones with and without error feedback, plus TernGrad (unbiased, no error feedback), on
 several seeds. Every training job runs with ``--bias-probe``
-(:class:`pacmpi.adapters.train.BiasProbe`): each step it also all-reduces every rank's local
+(:class:`pacmpi.experiments.train.BiasProbe`): each step it also all-reduces every rank's local
 gradient exactly (one extra float64 all-reduce, benchmark only) and measures the per-coordinate
 error of the method's averaged gradient against that exact average on the kept coordinates.
 
@@ -20,12 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from pacmpi.adapters.bench_train import (FULL, derive, merge_reports, overlap, run_benchmark,
-                                         spread)
+from pacmpi.bench import harness
+from pacmpi.bench.harness import format_spread, overlap, spread
+from pacmpi.experiments.bench_train import FULL, derive, merge_reports, run_benchmark
 
-__all__ = ["DEFAULT_METHODS", "bias_table", "format_bias", "main", "write_bias_plots"]
+__all__ = ["DEFAULT_METHODS", "main"]
 
-DEFAULT_METHODS = ("dense-fp32", "pactrain-0.8", "pactrain-ternary-0.0",
+DEFAULT_METHODS = ("dense", "pactrain-0.8", "pactrain-ternary-0.0",
                    "pactrain-ternary-0.0-noef", "pactrain-ternary-0.8",
                    "pactrain-ternary-0.8-noef", "terngrad")
 NOTES = [
@@ -40,7 +41,7 @@ NOTES = [
 
 def bias_table(report):
     """``{label: row}`` over the seeds of the (unshaped) rate: ``final_accuracy`` and each
-    error statistic as :func:`pacmpi.adapters.bench_train.spread`, ``ef_changes_accuracy``
+    error statistic as :func:`pacmpi.bench.harness.spread`, ``ef_changes_accuracy``
     for a ternary method with an ``-noef`` twin (``False`` when their ranges overlap)."""
     rows = {}
     for rates in report["seed_runs"].values():
@@ -68,27 +69,25 @@ def bias_table(report):
     return table
 
 
-def _cell(stat, spec):
-    if stat["n"] == 0:
-        return "-"
-    return (f"{format(stat['median'], spec)} [{format(stat['min'], spec)}, "
-            f"{format(stat['max'], spec)}]")
+def _spread_column(title, key, spec, width):
+    return title, lambda row: format_spread(row[key], spec, "n/a"), f">{width}"
+
+
+_COLUMNS = (("method", "label", "<"),
+            _spread_column("final accuracy", "final_accuracy", ".4f", 26),
+            _spread_column("rel. mean |e|", "median_relative_error", ".3g", 24),
+            _spread_column("p99 |e| / mean |exact|", "p99_relative_error", ".3g", 24),
+            _spread_column("bias mean |.|", "bias_mean_abs", ".2e", 30),
+            _spread_column("bias p99", "bias_p99_abs", ".2e", 30),
+            ("EF changes acc.",
+             lambda row: {True: "yes", False: "no (tie)"}.get(row.get("ef_changes_accuracy"), ""),
+             "<"))
 
 
 def format_bias(table):
     """The table as text: median [min, max] over seeds."""
-    w = max(len(label) for label in table)
-    lines = [f"{'method':<{w}} {'final accuracy':>26} {'rel. mean |e|':>24} "
-             f"{'p99 |e| / mean |exact|':>24} {'bias mean |.|':>30} {'bias p99':>30}  "
-             "EF changes acc."]
-    for label, row in table.items():
-        lines.append(f"{label:<{w}} {_cell(row['final_accuracy'], '.4f'):>26} "
-                     f"{_cell(row['median_relative_error'], '.3g'):>24} "
-                     f"{_cell(row['p99_relative_error'], '.3g'):>24} "
-                     f"{_cell(row['bias_mean_abs'], '.2e'):>30} "
-                     f"{_cell(row['bias_p99_abs'], '.2e'):>30}  "
-                     f"{ {True: 'yes', False: 'no (tie)'}.get(row.get('ef_changes_accuracy'), '')}")
-    return "\n".join(lines)
+    return harness.format_table([dict(row, label=label) for label, row in table.items()],
+                                _COLUMNS)
 
 
 def write_bias_plots(report, table, out_dir, prefix="bench_bias"):
@@ -191,8 +190,7 @@ def main(argv=None):
         report["plots"] = write_bias_plots(report, report["bias_table"], args.out_dir,
                                            prefix=json_path.stem)
     report.pop("json", None)
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
+    harness.write_report(json_path, report, "pacmpi bench bias")
     print(format_bias(report["bias_table"]))
     print(f"wrote {json_path}")
     failed = [label for rates in report["seed_runs"].values() for block in rates.values()

@@ -33,7 +33,6 @@ negative control.
 """
 import argparse
 import hashlib
-import json
 import math
 import time
 from collections import OrderedDict
@@ -45,16 +44,20 @@ import torch
 import torch.nn.functional as F
 
 from pacmpi import Collectives, MaskMismatchError, MPICollectives, PacTrainReducer
-from pacmpi.adapters.data import iterate_minibatches, load_digits_split
-from pacmpi.adapters.models import build_model
-from pacmpi.adapters.pruning import (GradualPruningSchedule, MaskEnforcer, mask_fingerprint,
-                                     named_prunable_parameters)
-from pacmpi.adapters.torch_sync import as_array, broadcast_parameters, numpy_dtype
-from pacmpi.adapters.train import TrainConfig, pretrained_state
+from pacmpi.adapters.convert import as_array, numpy_dtype
+from pacmpi.adapters.pruning import (
+    GradualPruningSchedule,
+    MaskEnforcer,
+    masks_digest,
+    named_prunable_parameters,
+)
+from pacmpi.adapters.torch_sync import broadcast_parameters
+from pacmpi.bench import harness
+from pacmpi.experiments.data import iterate_minibatches, load_digits_split
+from pacmpi.experiments.models import build_model
+from pacmpi.experiments.train import TrainConfig, pretrained_state
 
-__all__ = ["FAULTS", "POLICIES", "BenchConfig", "OrderedSumCollectives", "build_parser",
-           "caught_in_step", "class_groups", "format_table", "injection_step",
-           "linear_milestones", "main", "run", "run_one", "summarize", "write_plots"]
+__all__ = ["BenchConfig", "build_parser", "format_table", "main", "run", "write_plots"]
 
 FAULTS = ("ulp-tie", "lr", "sum-order")
 POLICIES = ("raise", "resync")
@@ -245,7 +248,7 @@ def run_one(cfg, pretrained, comm, *, steps, fault=None, on_mismatch="raise", co
                 for name, mask in new.items():
                     masks[name].copy_(mask)
             enforcer.update(masks)
-        mask_digest, weight_digest = mask_fingerprint(masks), _digest(params)
+        mask_digest, weight_digest = masks_digest(masks), _digest(params)
         optimizer.zero_grad()
         xb, yb = next(batches)
         loss = F.cross_entropy(model(xb), yb)
@@ -260,7 +263,7 @@ def run_one(cfg, pretrained, comm, *, steps, fault=None, on_mismatch="raise", co
         except MaskMismatchError as exc:
             error = exc
             # Nothing summed: the step's gradients are what this rank computed.
-            check = all(np.array_equal(g, l) for g, l in zip(grads, local))
+            check = all(np.array_equal(g, own) for g, own in zip(grads, local))
         delta = {k: reducer.stats[k] - before[k] for k in ("dense_fallbacks", "resyncs",
                                                            "resync_bytes", "bytes_sent")}
         if delta["resyncs"]:
@@ -305,8 +308,8 @@ def run_one(cfg, pretrained, comm, *, steps, fault=None, on_mismatch="raise", co
 def _equals_dense_average(reducer, collectives, grads, local, masks, names, params):
     """The resynced step's result against the dense average of every rank's gradient under
     the adopted (rank 0's) masks, summed by the same transport."""
-    masked = [np.where(masks[names[id(p)]].numpy(), l, 0) if id(p) in names else l
-              for l, p in zip(local, params)]
+    masked = [np.where(masks[names[id(p)]].numpy(), grad, 0) if id(p) in names else grad
+              for grad, p in zip(local, params)]
     for bucket in reducer.layout.buckets:
         flat = bucket.flatten(masked, np.empty(bucket.size, dtype=bucket.dtype))
         collectives.allreduce(flat, "sum")
@@ -422,12 +425,13 @@ def run(cfg, *, faults=FAULTS, policies=POLICIES, controls=False, comm=None):
             "faults": results, "fault_table": [_fault_row(r, reference) for r in results]}
 
 
-def _fmt(value):
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
+_FAULT_COLUMNS = (
+    ("fault", "fault"), ("control", "control"), ("policy", "on_mismatch"),
+    ("inject", "inject_step"), ("weights differ", "first_weight_disagreement"),
+    ("masks differ", "first_mask_disagreement"), ("detected", "detection_step"),
+    ("ranks raised", "ranks_raised"), ("offending", "offending_ranks"), ("resyncs", "resyncs"),
+    ("extra dense", "extra_dense_steps"), ("extra payload bytes", "extra_payload_bytes"),
+    ("checks", "checks_held"))
 
 
 def format_table(report):
@@ -441,15 +445,7 @@ def format_table(report):
              f"{s['weight_disagreement_steps']}, dense steps: {s['dense_steps']} "
              f"({s['fallback_fraction']:.3f}), resyncs: {s['resyncs']}, bytes/step: "
              f"{s['bytes_per_step']:.0f}, final loss {s['final_loss']:.3f}", ""]
-    head = ("fault", "control", "policy", "inject", "weights differ", "masks differ",
-            "detected", "ranks raised", "offending", "resyncs", "extra dense",
-            "extra payload bytes", "checks")
-    keys = ("fault", "control", "on_mismatch", "inject_step", "first_weight_disagreement",
-            "first_mask_disagreement", "detection_step", "ranks_raised", "offending_ranks",
-            "resyncs", "extra_dense_steps", "extra_payload_bytes", "checks_held")
-    table = [head] + [tuple(_fmt(row[k]) for k in keys) for row in report["fault_table"]]
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    lines.append(harness.format_table(report["fault_table"], _FAULT_COLUMNS, sep="  "))
     return "\n".join(lines)
 
 
@@ -572,8 +568,8 @@ def main(argv=None):
                 Path(args.json).stem if args.json else "bench_masks"))
         print(format_table(report))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(_for_json(report), f, separators=(",", ":"))
+            harness.write_report(args.json, _for_json(report), "pacmpi bench masks",
+                                 compact=True)
         if not report["all_checks_held"]:
             print("CHECK FAILED: see caught_in_step / checks_held in the JSON")
     return 0 if report["all_checks_held"] else 1

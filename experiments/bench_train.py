@@ -2,21 +2,22 @@
 
 The driver runs outside MPI. It pretrains the model once (a one-rank run of the training job
 that only fills the ``--pretrained`` cache), then launches the fine-tuning job
-(:mod:`pacmpi.adapters.train`) on ``ranks`` ranks with :func:`pacmpi.launch.run_command` for
+(:mod:`pacmpi.experiments.train`) on ``ranks`` ranks with :func:`pacmpi.launch.run_command` for
 every (link rate, method): ``none`` is the host's own transport, ``100mbit``/``1gbit`` the
 test bed's one shared tbf-shaped link, calibrated before every run. A rate whose calibration is
 more than ``tolerance`` off nominal is refused: its results are not reported.
 
 Per run it records the accuracy curve over wall-clock time, time to a target accuracy (TTA;
-the target is ``target_fraction`` of the dense fp32 run's final accuracy at the same rate),
+the target is ``target_fraction`` of the dense (fp32) run's final accuracy at the same rate),
 final accuracy, throughput (mean and 95% interval over steps), the step-time split, bytes per
-step and dense fallbacks; speedup = TTA(baseline) / TTA(method) against dense fp32 and dense
-fp16. A sweep over pruning ratios (unshaped: it is about accuracy) reuses runs that match.
-Writes one JSON file and PNG plots, prints a table.
+step and dense fallbacks; speedup = TTA(baseline) / TTA(method) against dense and fp16. A
+sweep over pruning ratios (unshaped: it is about accuracy) reuses runs that match. Writes one
+JSON file and PNG plots, prints a table.
 
-Methods are named by label: ``dense-fp32``, ``dense-fp16``, ``topk-<P>%``, ``terngrad``
+Methods are named by label (:mod:`pacmpi.methods`' names, some with a parameter): ``dense``,
+``fp16`` (``dense-fp32`` and ``dense-fp16`` are read as these), ``topk-<P>%``, ``terngrad``
 (TernGrad, codes all-gathered) and ``dgc-<P>%`` (Deep Gradient Compression: momentum correction,
-residual accumulation; :mod:`pacmpi.adapters.baselines`) fine-tune the unpruned model
+residual accumulation; :mod:`pacmpi.experiments.baselines`) fine-tune the unpruned model
 (``baseline_ratio``, 0 by default: what one would train without PacTrain); ``pactrain-<R>`` and
 ``pactrain-ternary-<R>`` prune a fraction ``R`` first (``--prune-method grasp`` with
 ``--pretrain-epochs 0``: GraSP at a random initialization, training from scratch). A ``-noef``
@@ -36,16 +37,14 @@ backend under ``mpirun``. Labels starting ``ddp-`` run ``pacmpi train --backend 
 ``ddp-fp16`` (``fp16_compress_hook``), ``ddp-powersgd-<K>`` (``powerSGD_hook`` of rank K) on
 the unpruned model, and ``ddp-pactrain-<R>``, ``ddp-pactrain-ternary-<R>`` (PacTrain's DDP
 communication hook). Presets: ``ddp`` (:data:`DDP_METHODS`) and ``default``
-(:data:`DEFAULT_METHODS`), e.g. ``--methods dense-fp32,dense-fp16,ddp``. Speedups are against
-dense fp32 and fp16 (MPI) and, when it ran, DDP's default all-reduce (``ddp-dense``).
+(:data:`DEFAULT_METHODS`), e.g. ``--methods dense,fp16,ddp``. Speedups are against dense and
+fp16 (MPI) and, when it ran, DDP's default all-reduce (``ddp-dense``).
 """
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -54,31 +53,27 @@ import tempfile
 import time
 from pathlib import Path
 
+from pacmpi.bench import harness
+from pacmpi.bench.harness import format_spread, format_value, overlap, spread
 from pacmpi.launch import CalibrationError, TestbedError, run_command
+from pacmpi.methods import METHODS, canonical_name
 
-__all__ = [
-    "DEFAULT_METHODS", "DDP_METHODS", "METHOD_PRESETS", "DEFAULT_RATES", "DEFAULT_SWEEP",
-    "MethodSpec", "parse_method", "expand_methods", "job_command", "reference_label",
-    "time_to_accuracy", "speedup", "throughput_stats", "summarize_run", "add_tta",
-    "tta_sensitivity", "derive", "spread", "overlap", "aggregate_repeats", "merge_reports",
-    "check_nodes", "run_benchmark", "format_table", "write_plots", "build_parser", "NODE_NOTES",
-    "main",
-]
+__all__ = ["DEFAULT_METHODS", "derive", "merge_reports", "run_benchmark", "format_table",
+           "write_plots", "build_parser", "main"]
 
 DEFAULT_RATES = ("none", "100mbit", "1gbit")
-DEFAULT_METHODS = ("dense-fp32", "dense-fp16", "topk-1%", "pactrain-0.5", "pactrain-0.8",
+DEFAULT_METHODS = ("dense", "fp16", "topk-1%", "pactrain-0.5", "pactrain-0.8",
                    "pactrain-ternary-0.8")
 DDP_METHODS = ("ddp-dense", "ddp-fp16", "ddp-powersgd-1", "ddp-powersgd-4", "ddp-pactrain-0.5",
                "ddp-pactrain-0.8", "ddp-pactrain-ternary-0.8")
 METHOD_PRESETS = {"default": DEFAULT_METHODS, "ddp": DDP_METHODS}
 DEFAULT_SWEEP = (0.0, 0.5, 0.7, 0.8, 0.9)
-BASELINES = ("dense-fp32", "dense-fp16")
+BASELINES = ("dense", "fp16")
 DDP_BASELINE = "ddp-dense"  # a third speedup column when it ran
 # The TTA target is a fraction of the first of these that ran at the rate.
-REFERENCES = ("dense-fp32", DDP_BASELINE)
+REFERENCES = ("dense", DDP_BASELINE)
 SENSITIVITY_FRACTIONS = (0.95, 0.97, 0.98, 0.99)
-TRAIN_MODULE = "pacmpi.adapters.train"
-GATHER_METHODS = ("topk", "terngrad", "dgc")  # all-gather: n(n-1) copies cross the shared link
+TRAIN_MODULE = "pacmpi.experiments.train"
 CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
 
 # The full benchmark's workload; see NOTES for why.
@@ -126,7 +121,7 @@ NODE_NOTES = [
 DDP_NOTES = [
     "DDP rows (ddp-*): pacmpi train --backend ddp under torchrun --standalone (gloo over TCP, "
     "pinned to the test bed's shaped lo; calibrated with mpirun as the MPI rows), the same "
-    "model, data, pretrained weights, seed and TTA target (dense-fp32's when it ran, else "
+    "model, data, pretrained weights, seed and TTA target (dense's when it ran, else "
     "ddp-dense's). DDP overlaps communication with backward, so its step split counts the "
     "exposed communication as compute. ddp-powersgd-K: torch's powerSGD_hook of rank K (error "
     "feedback, warm start), 2 dense warm-up steps, then P and Q of every matrix plus the "
@@ -152,7 +147,7 @@ class MethodSpec:
     error_feedback: bool = True
 
 
-_LABELS = ("dense-fp32, dense-fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
+_LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
            "pactrain-ternary-R (0 <= R < 1), topk-P%-noef and pactrain-ternary-R-noef (no error "
            "feedback), ddp-dense, ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, "
            "ddp-pactrain-ternary-R, or a preset: " + ", ".join(METHOD_PRESETS))
@@ -161,10 +156,10 @@ _LABELS = ("dense-fp32, dense-fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pa
 def parse_method(label, baseline_ratio=0.0):
     """``"pactrain-0.8"`` -> ``MethodSpec("pactrain-0.8", "pactrain", 0.8)``,
     ``"ddp-powersgd-4"`` -> ``MethodSpec("ddp-powersgd-4", "powersgd", 0.0, backend="ddp",
-    powersgd_rank=4)``; see the module doc."""
-    fixed = {"dense-fp32": "dense", "dense-fp16": "fp16", "terngrad": "terngrad"}
-    if label in fixed:
-        return MethodSpec(label, fixed[label], baseline_ratio)
+    powersgd_rank=4)``; see the module doc. Old labels (``dense-fp32``) give today's."""
+    label = canonical_name(label)
+    if label in ("dense", "fp16", "terngrad"):  # the methods without a parameter
+        return MethodSpec(label, label, baseline_ratio)
     match = re.fullmatch(r"(topk|dgc)-(\d+(?:\.\d+)?)%(-noef)?", label)
     if match and 0 < float(match.group(2)) <= 100 and not (match.group(1) == "dgc"
                                                           and match.group(3)):
@@ -187,11 +182,12 @@ def parse_method(label, baseline_ratio=0.0):
 
 def expand_methods(labels):
     """Labels with presets (``ddp``, ``default``) expanded in place, duplicates dropped
-    (first kept), every label checked (``ValueError`` names an unknown one)."""
+    (first kept), every label checked (``ValueError`` names an unknown one) and in today's
+    spelling."""
     out = []
     for label in labels:
         for one in METHOD_PRESETS.get(label, (label,)):
-            parse_method(one)
+            one = parse_method(one).label
             if one not in out:
                 out.append(one)
     return tuple(out)
@@ -252,7 +248,8 @@ def summarize_run(result, spec, world):
         curve.append({"epoch": record["epoch"], "wall_seconds": record["wall_seconds"],
                       "train_seconds": elapsed_train, "test_accuracy": record["test_accuracy"],
                       "train_loss": record["train_loss"]})
-    fan_out = world * (world - 1) if spec.method in GATHER_METHODS else 2 * (world - 1)
+    gather = METHODS[spec.method].collective == "allgather"  # n(n-1) copies cross the link
+    fan_out = world * (world - 1) if gather else 2 * (world - 1)
     accuracies = [p["test_accuracy"] for p in curve]
     return {
         "label": spec.label, "method": spec.method, "ratio": spec.ratio,
@@ -346,25 +343,7 @@ def derive(report, target_fraction):
 
 
 REPEATED = ("final_accuracy", "best_accuracy", "tta_seconds", "tta_train_seconds",
-            "speedup_vs_dense_fp32", "speedup_vs_dense_fp16", "bytes_per_step")
-
-
-def spread(values):
-    """``{"values", "n", "median", "min", "max"}`` of ``values`` (a run that never reached the
-    target gives None: it is kept in ``values`` and left out of the statistics; ``n`` counts the
-    rest)."""
-    known = sorted(v for v in values if v is not None)
-    return {"values": list(values), "n": len(known),
-            "median": statistics.median(known) if known else None,
-            "min": known[0] if known else None, "max": known[-1] if known else None}
-
-
-def overlap(a, b):
-    """Whether two :func:`spread` ranges ``[min, max]`` overlap (the methods tie); False when
-    either has no value."""
-    if a["n"] == 0 or b["n"] == 0:
-        return False
-    return a["min"] <= b["max"] and b["min"] <= a["max"]
+            "speedup_vs_dense", "speedup_vs_fp16", "bytes_per_step")
 
 
 def aggregate_repeats(seed_runs):
@@ -400,11 +379,35 @@ def _seed_runs(report):
     return report.get("seed_runs") or {str(report["config"]["seed"]): report["rates"]}
 
 
+def _current_labels(report):
+    """``report`` with the labels of reports written before one vocabulary (``dense-fp32``,
+    ``dense-fp16``) renamed to today's (``dense``, ``fp16``), in place, and their speedups
+    dropped: :func:`derive` recomputes them under today's keys."""
+    blocks = [block for rates in report.get("seed_runs", {}).values() for block in rates.values()]
+    blocks += list(report.get("rates", {}).values())
+    for block in blocks:
+        for key in ("runs", "failed"):
+            block[key] = {canonical_name(label): v for label, v in block.get(key, {}).items()}
+        for run in block["runs"].values():
+            run["label"] = canonical_name(run["label"])
+            for key in [k for k in run if k.endswith(("speedup_vs_dense_fp32",
+                                                      "speedup_vs_dense_fp16"))]:
+                del run[key]
+        if "reference" in block:
+            block["reference"] = canonical_name(block["reference"])
+    report["config"]["methods"] = [canonical_name(m) for m in report["config"]["methods"]]
+    for point in (report.get("ratio_sweep") or {}).get("points", []):
+        point["label"] = canonical_name(point.get("label"))
+    return report
+
+
 def merge_reports(reports):
     """One report from runs of the same workload with different seeds (or methods): their
     ``seed_runs`` joined (a method that ran twice for the same seed and rate is an error), the
-    first report's config with the union of seeds and methods; call :func:`derive` next."""
-    merged = json.loads(json.dumps(reports[0]))
+    first report's config with the union of seeds and methods, old labels (``dense-fp32``) in
+    today's spelling; call :func:`derive` next."""
+    reports = [_current_labels(json.loads(json.dumps(report))) for report in reports]
+    merged = reports[0]
     merged["seed_runs"] = _seed_runs(merged)
     workload = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
                 "pretrain_epochs", "prune_method", "baseline_ratio", "dataset", "nodes",
@@ -462,7 +465,8 @@ def _pretrain(cfg, cache_dir, seed, timeout):
     """Fill the pretrained-model cache once: a one-rank job (MPI singleton, no launcher) with no
     fine-tuning epochs pretrains, writes the cache and exits. Every timed job then only loads
     it, so no job pays for pretraining and all of them start from the same weights."""
-    name = (f"pretrained_{cfg.get('dataset', 'digits')}_{cfg['model']}_w{cfg['width']}_h{str(cfg['hidden']).replace(',', '-')}"
+    name = (f"pretrained_{cfg.get('dataset', 'digits')}_{cfg['model']}_w{cfg['width']}"
+            f"_h{str(cfg['hidden']).replace(',', '-')}"
             f"_e{cfg['pretrain_epochs']}_s{seed}.pt")
     path = Path(cache_dir) / name
     if path.exists():
@@ -588,12 +592,12 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     ``hidden``, ``pretrain_epochs``, ``dataset``, ``seed``, ``prune_method`` (PacTrain rows):
     the training job's; ``nodes``, ``topology``: run every job on ``nodes`` simulated nodes
     (``ranks / nodes`` ranks each, ``topology`` ``"star"`` by default, every link at the rate;
-    see :func:`check_nodes`); ``seeds``: run everything once per seed (each seed pretrains its own model and sets
-    its own target from its own reference run; ``report["seed_runs"][seed]`` keeps every run,
-    ``report["rates"]`` is the first seed's, ``report["repeats"]`` the median and range over
-    seeds; default ``(seed,)``); ``train_args``: extra flags for every training job (e.g.
-    ``("--bias-probe",)``); ``baseline_ratio``: pruning
-    of the dense/fp16/TopK baselines; ``target_fraction``: TTA target as a fraction of the dense
+    see :func:`check_nodes`); ``seeds``: run everything once per seed (each seed pretrains its
+    own model and sets its own target from its own reference run; ``report["seed_runs"][seed]``
+    keeps every run, ``report["rates"]`` is the first seed's, ``report["repeats"]`` the median
+    and range over seeds; default ``(seed,)``); ``train_args``: extra flags for every training
+    job (e.g. ``("--bias-probe",)``); ``baseline_ratio``: pruning of the dense/fp16/TopK
+    baselines; ``target_fraction``: TTA target as a fraction of the dense
     fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
     nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
     cached (default ``$XDG_CACHE_HOME/pacmpi`` or ``~/.cache/pacmpi``); ``notes``: the JSON's
@@ -617,7 +621,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
             f"Workload: --dataset {dataset} --model {model} --width {width} (--hidden {hidden} "
             f"where the model has one), {epochs} fine-tuning epochs of {ranks} ranks x "
             f"{batch_size} samples per step after {pretrain_epochs} pretraining epochs; see "
-            "the README for why this size."] + NOTES[4:])
+            "docs/results.md for why this size."] + NOTES[4:])
         notes += NODE_NOTES if nodes else []
     cache_dir = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                      / "pacmpi")
@@ -628,10 +632,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     _say(f"pretrained models cached at {', '.join(map(str, pretrained.values()))}", echo)
 
     report = {
-        "benchmark": "pacmpi bench train",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                 "python": platform.python_version()},
+        **harness.environment("pacmpi bench train"),  # when the runs began
         "config": {**cfg, "rates": list(rates), "methods": list(methods),
                    "sweep_ratios": list(sweep_ratios), "sweep_rate": sweep_rate,
                    "baseline_ratio": baseline_ratio, "target_fraction": target_fraction,
@@ -655,8 +656,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     if plots:
         report["plots"] = write_plots(report, out_dir, prefix=json_path.stem)
     report["total_seconds"] = time.perf_counter() - started
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
+    harness.write_report(json_path, report, "pacmpi bench train")
     report["json"] = str(json_path)
     return report
 
@@ -691,8 +691,25 @@ def _sweep(cfg, ratios, rate, blocks, pretrained, workdir, seed, tolerance, time
 
 
 # ---------------------------------------------------------------------------------- output
-def _fmt(value, spec, missing="-"):
-    return missing if value is None else format(value, spec)
+def _main_columns(ddp):
+    """The per-rate table's columns; ``ddp``: a speedup column against DDP's default."""
+    def ms(part):
+        return lambda run: run["step_seconds"][part] * 1e3
+
+    def samples(run):
+        th = run["throughput"]
+        return (f"{th['mean']:>7.0f} [{th['ci95_low']:>4.0f},"
+                f"{format_value(th['ci95_high'], '5.0f'):>5}]")
+
+    return [("method", "label", "<22"), ("final", "final_accuracy", ">6.4f"),
+            ("TTA s", "tta_seconds", ">7.1f", "never"),
+            ("x dense", "speedup_vs_dense", ">6.2f"),
+            ("x fp16", "speedup_vs_fp16", ">6.2f"),
+            *([("x ddp", lambda run: run.get("speedup_vs_ddp_dense"), ">6.2f")] if ddp else []),
+            ("samples/s [95%]", samples, ">19"), ("step ms", ms("seconds"), ">7.1f"),
+            ("comp", ms("compute"), ">6.1f"), ("pack", ms("pack"), ">5.1f"),
+            ("comm", ms("comm"), ">6.1f"), ("unpk", ms("unpack"), ">5.1f"),
+            ("bytes/step", "bytes_per_step", ">11,.0f"), ("fb", "dense_fallbacks", ">3")]
 
 
 def format_table(report):
@@ -710,35 +727,21 @@ def format_table(report):
             lines.append(f"  calibration: {cal['link_bps'] / 1e6:.1f} Mbit/s = {cal['ratio']:.1%} "
                          f"of nominal (first run; {len(block['calibration'])} runs calibrated, "
                          f"min {min(c['ratio'] for c in block['calibration']):.1%})")
-        reference = block.get("reference", "dense-fp32").replace("-", " ")
-        lines.append(f"  target accuracy {_fmt(block['target_accuracy'], '.4f')} "
+        reference = block.get("reference", "dense").replace("-", " ")
+        lines.append(f"  target accuracy {format_value(block['target_accuracy'], '.4f')} "
                      f"({report['config']['target_fraction']:.0%} of {reference} final)")
-        ddp = DDP_BASELINE in block["runs"]  # a speedup column against DDP's default
-        w = max([22] + [len(label) for label in block["runs"]])
-        lines.append(f"  {'method':<{w}} {'final':>6} {'TTA s':>7} {'x fp32':>6} {'x fp16':>6} "
-                     + (f"{'x ddp':>6} " if ddp else "") +
-                     f"{'samples/s [95%]':>19} {'step ms':>7} {'comp':>6} {'pack':>5} "
-                     f"{'comm':>6} {'unpk':>5} {'bytes/step':>11} {'fb':>3}")
-        for label, run in block["runs"].items():
-            t, th = run["step_seconds"], run["throughput"]
-            tta = _fmt(run["tta_seconds"], "7.1f", "never")
-            lines.append(
-                f"  {label:<{w}} {run['final_accuracy']:>6.4f} {tta:>7} "
-                f"{_fmt(run['speedup_vs_dense_fp32'], '6.2f'):>6} "
-                f"{_fmt(run['speedup_vs_dense_fp16'], '6.2f'):>6} "
-                + (f"{_fmt(run.get('speedup_vs_ddp_dense'), '6.2f'):>6} " if ddp else "") +
-                f"{th['mean']:>7.0f} [{th['ci95_low']:>4.0f},{_fmt(th['ci95_high'], '5.0f'):>5}] "
-                f"{t['seconds'] * 1e3:>7.1f} {t['compute'] * 1e3:>6.1f} {t['pack'] * 1e3:>5.1f} "
-                f"{t['comm'] * 1e3:>6.1f} {t['unpack'] * 1e3:>5.1f} "
-                f"{run['bytes_per_step']:>11,.0f} {run['dense_fallbacks']:>3}")
+        runs = [dict(run, label=label) for label, run in block["runs"].items()]
+        lines.append(harness.format_table(runs, _main_columns(DDP_BASELINE in block["runs"]),
+                                          indent="  "))
         sensitivity = block.get("tta_sensitivity") or {}
         if sensitivity:
-            lines.append(f"  TTA speedup vs {block.get('reference', 'dense-fp32')} by target ("
+            lines.append(f"  TTA speedup vs {block.get('reference', 'dense')} by target ("
                          + ", ".join(f"{float(f):.0%}" for f in sensitivity)
                          + f" of {reference} final):")
-            for label in block["runs"]:
-                lines.append(f"    {label:<{w}} " + " ".join(
-                    f"{_fmt(sensitivity[f][label], '6.2f', 'never'):>6}" for f in sensitivity))
+            columns = [("method", "label", "<22")] + [
+                (f"{float(f):.0%}", lambda run, f=f: sensitivity[f][run["label"]], ">6.2f",
+                 "never") for f in sensitivity]
+            lines.append(harness.format_table(runs, columns, indent="    "))
         never = [label for label, run in block["runs"].items() if not run["reached_target"]]
         if never:
             lines.append(f"  never reached the target: {', '.join(never)}")
@@ -748,21 +751,12 @@ def format_table(report):
     sweep = report.get("ratio_sweep")
     if sweep:
         lines.append(f"== accuracy vs pruning ratio (PacTrain, link {sweep['rate']}; "
-                     f"pretrained dense {_fmt(sweep['pretrained_accuracy'], '.4f')}) ==")
+                     f"pretrained dense {format_value(sweep['pretrained_accuracy'], '.4f')}) ==")
         for p in sweep["points"]:
-            lines.append(f"  ratio {p['ratio']:.2f}: density {_fmt(p['density'], '.3f')}, final "
-                         f"{_fmt(p['final_accuracy'], '.4f')}, "
-                         f"best {_fmt(p['best_accuracy'], '.4f')}")
+            lines.append(f"  ratio {p['ratio']:.2f}: density {format_value(p['density'], '.3f')}, "
+                         f"final {format_value(p['final_accuracy'], '.4f')}, "
+                         f"best {format_value(p['best_accuracy'], '.4f')}")
     return "\n".join(lines)
-
-
-def _median_range(stat, spec):
-    if stat["n"] == 0:
-        return "never"
-    text = (f"{format(stat['median'], spec)} [{format(stat['min'], spec)}, "
-            f"{format(stat['max'], spec)}]")
-    missing = len(stat["values"]) - stat["n"]
-    return text + (f" ({missing} never)" if missing else "")
 
 
 def _repeats_table(report):
@@ -770,18 +764,20 @@ def _repeats_table(report):
     seeds = report["config"].get("seeds", [])
     if len(seeds) < 2:
         return []
+
+    def median_range(key, spec):
+        return lambda row: format_spread(row[key], spec, "never")
+
+    columns = [("method", "label", "<22"), ("n", lambda row: len(row["seeds"]), ">2"),
+               ("final accuracy", median_range("final_accuracy", ".4f"), ">28"),
+               ("TTA s", median_range("tta_seconds", ".1f"), ">26"),
+               ("x dense", median_range("speedup_vs_dense", ".2f"), ">24"),
+               ("TTA ties with", lambda row: ", ".join(row["tta_ties"]) or "-", "<")]
     lines = []
     for rate, rows in report.get("repeats", {}).items():
         lines.append(f"== link {rate}: median [min, max] over seeds {seeds} ==")
-        w = max([22] + [len(label) for label in rows])
-        lines.append(f"  {'method':<{w}} {'n':>2} {'final accuracy':>28} {'TTA s':>26} "
-                     f"{'x dense-fp32':>24}  TTA ties with")
-        for label, row in rows.items():
-            lines.append(f"  {label:<{w}} {len(row['seeds']):>2} "
-                         f"{_median_range(row['final_accuracy'], '.4f'):>28} "
-                         f"{_median_range(row['tta_seconds'], '.1f'):>26} "
-                         f"{_median_range(row['speedup_vs_dense_fp32'], '.2f'):>24}  "
-                         f"{', '.join(row['tta_ties']) or '-'}")
+        lines.append(harness.format_table([dict(row, label=label) for label, row in rows.items()],
+                                          columns, indent="  "))
     return lines
 
 
@@ -943,7 +939,7 @@ def build_parser(parser=None):
     parser.add_argument("--rates", type=_words, default=None,
                         help=f"link rates; 'none' = unshaped (default {','.join(DEFAULT_RATES)})")
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
-                        help="method labels and presets, e.g. dense-fp32,dense-fp16,ddp "
+                        help="method labels and presets, e.g. dense,fp16,ddp "
                              "(default "  # argparse %-formats help texts
                              + ",".join(DEFAULT_METHODS).replace("%", "%%") + "; preset ddp = "
                              + ",".join(DDP_METHODS) + ", run under torchrun)")
@@ -1011,13 +1007,12 @@ def main(argv=None):
         for path in args.merge or (args.replot,):
             with open(path) as f:
                 reports.append(json.load(f))
-        report = merge_reports(reports) if args.merge else reports[0]
+        report = merge_reports(reports) if args.merge else _current_labels(reports[0])
         derive(report, args.target_fraction or report["config"]["target_fraction"])
         report["plots"] = write_plots(report, args.out_dir,
                                       prefix=Path(args.json or args.replot).stem)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            harness.write_report(args.json, report, "pacmpi bench train")
         print(format_table(report))
         print(f"wrote {len(report['plots'])} plots to {args.out_dir}")
         return 0

@@ -1,17 +1,17 @@
-"""MPI worker: checkpoint / resume of a raw PacTrainSync loop.
+"""Checkpoint / resume of a raw PacTrainSync loop: every rank runs these tests in this order
+under mpirun (tests/test_torch_sync.py), and each is reported on its own. Checkpoints go under
+$PACMPI_TEST_WORKDIR.
 
-``sync_checkpoint.py same DIR METHOD``: train STEPS steps uninterrupted; train K steps, save,
-rebuild model / optimizer / sync from scratch (different init), load, train the rest: the final
-weights must be bit-identical to the uninterrupted run's on every rank. The model has dropout,
-so the restored torch RNG matters (negative control: resuming without RNG restore differs).
+Same world size: train STEPS steps uninterrupted; train K steps, save, rebuild model /
+optimizer / sync from scratch (different init), load, train the rest: the final weights must be
+bit-identical to the uninterrupted run's on every rank. The model has dropout, so the restored
+torch RNG matters (negative control: resuming without RNG restore differs).
 
-``sync_checkpoint.py save DIR METHOD`` then ``sync_checkpoint.py resume DIR METHOD`` at another
-world size: the resume warns (RuntimeWarning, printed as ``WARNED: ...``) and trains on with
-identical weights on every rank.
+Another world size: ``test_save_at_4_ranks`` on 4 ranks, then ``test_resume_at_2_ranks`` on 2:
+the resume warns and trains on with identical weights on every rank.
 """
 import hashlib
 import os
-import sys
 import warnings
 
 import torch
@@ -21,12 +21,13 @@ from torch import nn
 
 from pacmpi.adapters.checkpoint import load_checkpoint, save_checkpoint
 from pacmpi.adapters.pruning import MaskEnforcer, prune
-from pacmpi.adapters.torch_sync import broadcast_parameters, make_sync
+from pacmpi.adapters.torch_sync import broadcast_parameters
+from pacmpi.experiments.baselines import make_sync
 
 comm = MPI.COMM_WORLD
 rank = comm.rank
-mode, directory, method = sys.argv[1], sys.argv[2], sys.argv[3]
-path = os.path.join(directory, "ckpt.pt")
+WORKDIR = os.environ["PACMPI_TEST_WORKDIR"]
+RESIZED = os.path.join(WORKDIR, "resized")  # saved on 4 ranks, resumed on 2
 STEPS, K = 8, 3
 
 
@@ -40,7 +41,7 @@ class Net(nn.Module):
         return self.net(x)
 
 
-def setup(seed):
+def setup(method, seed):
     torch.manual_seed(seed)
     model = Net()
     broadcast_parameters(model)
@@ -73,57 +74,76 @@ def identical(model):
     return len(set(comm.allgather(digest(model)))) == 1
 
 
-def resume(seed):
-    model, enforcer, sync, opt = setup(seed)
+def resume(method, path, seed):
+    model, enforcer, sync, opt = setup(method, seed)
     where = load_checkpoint(path, model=model, optimizer=opt, sync=sync)
     enforcer.update(sync.masks)
     return model, sync, opt, where
 
 
-if mode == "same":
-    model, _, sync, opt = setup(0)
+def resume_is_bit_exact(method):
+    directory = os.path.join(WORKDIR, method)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "ckpt.pt")
+    model, _, sync, opt = setup(method, 0)
     steps(model, sync, opt, 0, STEPS)
     reference = digest(model)
 
-    model, _, sync, opt = setup(0)
+    model, _, sync, opt = setup(method, 0)
     steps(model, sync, opt, 0, K)
     save_checkpoint(path, model=model, optimizer=opt, sync=sync, step=K, epoch=0,
                     extra={"note": "k"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same world size: nothing to warn about
-        model, sync, opt, where = resume(seed=rank + 5)
+        model, sync, opt, where = resume(method, path, seed=rank + 5)
     assert where["step"] == K and where["extra"] == {"note": "k"}, where
-    rng = torch.get_rng_state()
     steps(model, sync, opt, K, STEPS)
     assert digest(model) == reference, "resumed run differs from the uninterrupted one"
     assert identical(model)
 
     # Negative control: without the restored dropout RNG the run must differ.
-    model, sync, opt, _ = resume(seed=0)
+    model, sync, opt, _ = resume(method, path, seed=0)
     torch.manual_seed(12345)
     steps(model, sync, opt, K, STEPS)
     assert digest(model) != reference, "negative control: RNG state had no effect"
     files = sorted(os.listdir(directory))
     assert not [f for f in files if f.endswith(".tmp")], files
-    if rank == 0:
-        print(f"OK same {method}: bit-identical after resume; files {files}", flush=True)
-elif mode == "save":
-    model, _, sync, opt = setup(0)
+
+
+def test_resume_is_bit_exact_pactrain_ternary():
+    resume_is_bit_exact("pactrain-ternary")
+
+
+def test_resume_is_bit_exact_topk():
+    resume_is_bit_exact("topk")
+
+
+def test_save_at_4_ranks():
+    assert comm.size == 4, comm.size
+    os.makedirs(RESIZED, exist_ok=True)
+    path = os.path.join(RESIZED, "ckpt.pt")
+    model, _, sync, opt = setup("pactrain-ternary", 0)
     steps(model, sync, opt, 0, K)
     save_checkpoint(path, model=model, optimizer=opt, sync=sync, step=K, epoch=0)
     save_checkpoint(path, model=model, optimizer=opt, sync=sync, step=K, epoch=0)  # overwrite
-    if rank == 0:
-        print(f"OK save {method}: {sorted(os.listdir(directory))}", flush=True)
-elif mode == "resume":
+
+
+def test_resume_at_2_ranks():
+    """Resuming the 4-rank checkpoint warns about the world size, the residuals and the RNG
+    states, and trains on with identical weights on every rank."""
+    assert comm.size == 2, comm.size
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, sync, opt, where = resume(seed=rank + 5)
+        model, sync, opt, where = resume("pactrain-ternary", os.path.join(RESIZED, "ckpt.pt"),
+                                         seed=rank + 5)
+    assert where["world_size"] == 4, where
     steps(model, sync, opt, K, STEPS)
     assert identical(model)
-    for w in caught:
-        if rank == 0:
-            print(f"WARNED: {w.message}", flush=True)
-    if rank == 0:
-        print(f"OK resume {method} from world size {where['world_size']} at {comm.size}", flush=True)
-else:
-    raise SystemExit(f"unknown mode {mode!r}")
+    warned = "\n".join(str(w.message) for w in caught)
+    for needle in ("resuming pactrain-ternary at world size 2", "residuals",
+                   "per-rank RNG states are reseeded"):
+        assert needle in warned, (needle, warned)
+    # Stale per-rank files of older checkpoints were removed; the current ones remain.
+    files = sorted(os.listdir(RESIZED))
+    assert files[0] == "ckpt.pt" and len(files) == 5, files
+    assert not any(f.endswith(".tmp") for f in files), files

@@ -19,15 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-__all__ = [
-    "CIFAR10_BATCHES",
-    "DataSplit",
-    "iterate_minibatches",
-    "load_cifar10",
-    "load_digits32_split",
-    "load_digits_split",
-    "shard",
-]
+__all__ = ["DataSplit", "iterate_minibatches", "load_cifar10", "load_digits32_split",
+           "load_digits_split", "shard"]
 
 CIFAR10_BATCHES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5")
 _CIFAR10_TEST = "test_batch"
@@ -60,7 +53,8 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:
     digits = load_digits()
     x = (digits.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
     y = digits.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed,
+                                              stratify=y)
     return DataSplit(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (x_tr, y_tr, x_te, y_te)))
 
 
@@ -176,7 +170,8 @@ def _read_with_torchvision(data_dir: Path, train: bool) -> tuple:
     import torchvision
 
     ds = torchvision.datasets.CIFAR10(root=str(data_dir), train=train, download=False)
-    return np.ascontiguousarray(ds.data.transpose(0, 3, 1, 2)), np.asarray(ds.targets, dtype=np.int64)
+    return (np.ascontiguousarray(ds.data.transpose(0, 3, 1, 2)),
+            np.asarray(ds.targets, dtype=np.int64))
 
 
 def load_cifar10(data_dir: Union[str, Path], backend: str = "auto") -> DataSplit:
@@ -199,11 +194,15 @@ def load_cifar10(data_dir: Union[str, Path], backend: str = "auto") -> DataSplit
         backend = "torchvision" if _has_torchvision() and root.name == _CIFAR10_DIR else "pickle"
     if backend == "torchvision":
         if root.name != _CIFAR10_DIR:
-            raise ValueError(f"backend='torchvision' needs the batches in a {_CIFAR10_DIR}/ folder, got {str(root)!r}")
-        (x_tr, y_tr), (x_te, y_te) = (_read_with_torchvision(root.parent, train) for train in (True, False))
+            raise ValueError(f"backend='torchvision' needs the batches in a {_CIFAR10_DIR}/ "
+                             f"folder, got {str(root)!r}")
+        (x_tr, y_tr), (x_te, y_te) = (_read_with_torchvision(root.parent, train)
+                                      for train in (True, False))
     else:
-        (x_tr, y_tr), (x_te, y_te) = _read_cifar_batches(root, CIFAR10_BATCHES), _read_cifar_batches(root, [_CIFAR10_TEST])
-    return DataSplit(_to_unit_float(x_tr), torch.from_numpy(y_tr), _to_unit_float(x_te), torch.from_numpy(y_te))
+        (x_tr, y_tr), (x_te, y_te) = (_read_cifar_batches(root, CIFAR10_BATCHES),
+                                      _read_cifar_batches(root, [_CIFAR10_TEST]))
+    return DataSplit(_to_unit_float(x_tr), torch.from_numpy(y_tr), _to_unit_float(x_te),
+                     torch.from_numpy(y_te))
 
 
 def _has_torchvision() -> bool:

@@ -1,6 +1,6 @@
 """The compression baselines a reviewer asks PacTrain to be compared with, run as their authors
 ran them, for raw PyTorch loops over mpi4py (the same hooks as
-:class:`pacmpi.adapters.torch_sync.TopKSync`):
+:class:`TopKSync`):
 
 - :class:`TernGradSync` (Wen et al., NeurIPS 2017): every rank clips each layer's gradient at
   ``clip`` standard deviations, stochastically ternarizes it with its *own* per-layer scale
@@ -25,13 +25,11 @@ import numpy as np
 import torch
 
 from pacmpi import MPICollectives
-from pacmpi.adapters.torch_sync import _HookedSync
+from pacmpi.adapters.torch_sync import PacTrainSync, _HookedSync
 from pacmpi.faults import ensure_abort_on_error
+from pacmpi.methods import lookup_method
 
-__all__ = ["METHODS", "DGCSync", "TernGradSync", "make_baseline", "pack_codes", "sparsify",
-           "unpack_codes"]
-
-METHODS = ("terngrad", "dgc")
+__all__ = ["DGCSync", "TernGradSync", "TopKSync", "make_baseline", "make_sync"]
 
 
 def pack_codes(q):
@@ -70,7 +68,7 @@ def sparsify(accumulated, sizes, ks):
 class _GatherSync(_HookedSync):
     """What the all-gather baselines share: one flat gradient of the model per step, an
     ``Allgather`` of a fixed-size payload per rank, the decoded average written back into
-    ``p.grad``, and the counters :class:`~pacmpi.adapters.torch_sync.TopKSync` keeps."""
+    ``p.grad``, and the counters :class:`TopKSync` keeps."""
 
     def __init__(self, model, method, *, comm, masks, average, abort_on_error):
         if comm is None:
@@ -121,7 +119,7 @@ class TernGradSync(_GatherSync):
     """TernGrad (see the module doc). ``seed``: each rank draws from its own generator keyed by
     (``seed``, rank); ``clip``: clip each layer at ``clip`` standard deviations of its gradient
     before ternarizing (2.5 in the paper; ``None``: no clipping). ``model``, ``comm``, ``masks``,
-    ``average``, ``abort_on_error`` as for :class:`~pacmpi.adapters.torch_sync.TopKSync`."""
+    ``average``, ``abort_on_error`` as for :class:`TopKSync`."""
 
     def __init__(self, model, *, comm=None, masks=None, seed=0, clip=2.5, average=True,
                  abort_on_error=None):
@@ -177,7 +175,7 @@ class DGCSync(_GatherSync):
     (0.001 = 0.1%, at least one value per layer); ``momentum``: the momentum DGC corrects for
     (the optimizer then runs without momentum); ``momentum_masking``: clear the sent
     coordinates from the velocity too, as the paper does. ``model``, ``comm``, ``masks``,
-    ``average``, ``abort_on_error`` as for :class:`~pacmpi.adapters.torch_sync.TopKSync`.
+    ``average``, ``abort_on_error`` as for :class:`TopKSync`.
 
     State (per rank): ``velocity`` (``u``) and ``residual`` (``v``, the accumulated values not
     sent yet), flat over the model's parameters."""
@@ -238,8 +236,102 @@ def make_baseline(model, method, *, comm=None, masks=None, ratio=0.001, momentum
                   **kwargs):
     """A :class:`TernGradSync` (``"terngrad"``: ``seed``) or :class:`DGCSync` (``"dgc"``:
     ``ratio``, ``momentum``); ``kwargs`` go to the class."""
-    if method == "terngrad":
+    if lookup_method(method, ("terngrad", "dgc")).name == "terngrad":
         return TernGradSync(model, comm=comm, masks=masks, seed=seed, **kwargs)
-    if method == "dgc":
-        return DGCSync(model, comm=comm, masks=masks, ratio=ratio, momentum=momentum, **kwargs)
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return DGCSync(model, comm=comm, masks=masks, ratio=ratio, momentum=momentum, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- TopK
+class TopKSync(_HookedSync):
+    """TopK sparsification with error feedback: the compression baseline PacTrain is compared
+    with. Each rank adds its residual to its (masked) gradient, keeps the ``ratio`` largest
+    magnitudes of the whole model (at least one), remembers the rest as its new residual, and
+    all ranks all-gather (indices, values) and scatter-add them. Indices and values travel
+    through host memory (they are small); nothing overlaps with backward, since a global TopK
+    needs the whole gradient.
+
+    Parameters: ``model``, ``comm``, ``masks``, ``average`` as for :class:`PacTrainSync`;
+    ``ratio`` the kept fraction (0.01 = 1%); ``error_feedback`` keeps the residual;
+    ``abort_on_error`` as for :class:`PacTrainSync`.
+    """
+
+    def __init__(self, model, *, comm=None, masks=None, ratio=0.01, average=True,
+                 error_feedback=True, abort_on_error=None):
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD.Dup()
+        super().__init__(model, masks, MPICollectives(comm=comm), "topk")
+        ensure_abort_on_error(abort_on_error, size=self.collectives.size)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise TypeError(
+                f"TopKSync needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.comm, self.ratio = comm, float(ratio)
+        self.average, self.error_feedback = bool(average), bool(error_feedback)
+        self.numel = sum(p.numel() for p in self.params)
+        self.k = max(1, math.ceil(self.ratio * self.numel))
+        self._residual = None
+        self.stats = {"steps": 0, "bytes_sent": 0, "dense_elements_equivalent": 0,
+                      "packed_reductions": 0, "dense_reductions": 0, "dense_fallbacks": 0,
+                      "resyncs": 0, "verify_seconds": 0.0, "pack_seconds": 0.0,
+                      "comm_seconds": 0.0, "unpack_seconds": 0.0}
+
+    def _reduce(self, arrays):
+        started = time.perf_counter()
+        grads = [p.grad for p in self.params]
+        with torch.no_grad():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.error_feedback and self._residual is not None:
+                flat += self._residual
+            indices = torch.topk(flat.abs(), self.k, sorted=False).indices
+            values = flat[indices]
+            if self.error_feedback:
+                flat[indices] = 0
+                self._residual = flat
+            send_i = indices.to(torch.int64).cpu().numpy()
+            send_v = values.cpu().numpy()
+            recv_i = np.empty(self.k * self.collectives.size, dtype=send_i.dtype)
+            recv_v = np.empty(self.k * self.collectives.size, dtype=send_v.dtype)
+            self.stats["pack_seconds"] += time.perf_counter() - started
+            started = time.perf_counter()
+            self.comm.Allgather(send_i, recv_i)
+            self.comm.Allgather(send_v, recv_v)
+            self.stats["comm_seconds"] += time.perf_counter() - started
+            started = time.perf_counter()
+            device = grads[0].device
+            total = torch.zeros(self.numel, dtype=grads[0].dtype, device=device)
+            total.index_add_(0, torch.from_numpy(recv_i).to(device),
+                             torch.from_numpy(recv_v).to(device))
+            if self.average and self.collectives.size > 1:
+                total /= self.collectives.size
+            offset = 0
+            for g in grads:
+                g.copy_(total[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            self.stats["unpack_seconds"] += time.perf_counter() - started
+        self.stats["bytes_sent"] += send_i.nbytes + send_v.nbytes
+        self.stats["dense_elements_equivalent"] += self.numel
+        self.stats["packed_reductions"] += 1
+        self.stats["steps"] += 1
+
+    def _engine_state(self):
+        residuals = {} if self._residual is None else {0: self._residual.detach().cpu().clone()}
+        return {"residuals": residuals, "stats": dict(self.stats), "k": self.k}
+
+    def _load_engine(self, state, same_world):
+        if state["k"] != self.k:
+            raise ValueError(f"checkpoint has k={state['k']}, this sync keeps k={self.k}")
+        residual = state["residuals"].get(0) if same_world else None
+        self._residual = None if residual is None else residual.to(self.params[0].device).clone()
+        self.stats = dict(state["stats"])
+
+
+def make_sync(model, method, *, comm=None, masks=None, topk_ratio=0.01, **kwargs):
+    """A :class:`TopKSync` for ``method="topk"``, else a :class:`PacTrainSync`; ``kwargs`` go to
+    :class:`PacTrainSync` (ignored knobs of the other class are an error, not silently dropped)."""
+    if method == "topk":
+        return TopKSync(model, comm=comm, masks=masks, ratio=topk_ratio, **kwargs)
+    return PacTrainSync(model, comm=comm, masks=masks, method=method, **kwargs)

@@ -1,0 +1,60 @@
+"""``pacmpi train --backend ddp`` under torchrun, every DDP method for a few steps: every rank
+runs these tests in this order (tests/test_ddp.py), and each is reported on its own.
+
+The job runs through ``pacmpi.cli.main`` for pactrain (with --json) and through ``train.run``
+for the other methods, all sharing one pretrained model cached in $PACMPI_TEST_WORKDIR.
+"""
+import json
+import os
+
+import torch.distributed as dist
+
+from pacmpi.cli import main as cli_main
+from pacmpi.experiments import train
+
+WORKDIR = os.environ["PACMPI_TEST_WORKDIR"]
+ARGS = ["--backend", "ddp", "--pretrain-epochs", "1", "--epochs", "1", "--max-steps", "4",
+        "--width", "4", "--hidden", "16", "--ratio", "0.8", "--no-progress", "--threads", "1",
+        "--pretrained", os.path.join(WORKDIR, "pretrained.pt")]
+OTHER_METHODS = {"pactrain-ternary": [], "dense": [], "fp16": [],
+                 "powersgd": ["--powersgd-rank", "1"], "powersgd-4": ["--powersgd-rank", "4"]}
+
+COLLECTIVES = train.collectives_for("ddp")
+BYTES_PER_STEP = {}  # method -> bytes sent per step (rank 0's summary), filled by the tests
+
+
+def check(method, result):
+    """Sane and equal on every rank: the same weights, 4 steps, the density --ratio asks for."""
+    digests = COLLECTIVES.allgather_object(result["state_sha256"])
+    assert len(set(digests)) == 1, f"{method}: ranks ended with different weights"
+    assert len(result["steps"]) == 4 and result["world_size"] == COLLECTIVES.size, result
+    assert 0.15 < result["density"] < 0.3, (method, result["density"])
+    if COLLECTIVES.rank == 0:
+        BYTES_PER_STEP[method] = result["summary"]["bytes_per_step"]
+
+
+def test_pactrain_through_the_cli(capsys):
+    out = os.path.join(WORKDIR, "pactrain.json")
+    assert cli_main(["train", *ARGS, "--method", "pactrain", "--json", out]) == 0
+    if COLLECTIVES.rank == 0:  # rank 0 prints the summary and writes the JSON
+        printed = capsys.readouterr().out
+        assert "method pactrain" in printed and "bytes sent per step" in printed, printed
+    dist.barrier()
+    with open(out) as f:
+        check("pactrain", json.load(f))
+
+
+def test_other_methods_through_train_run():
+    parser = train.build_parser()
+    for method, extra in OTHER_METHODS.items():
+        config = parser.parse_args(ARGS + extra + ["--method", method.partition("-4")[0]])
+        check(method, train.run(config, COLLECTIVES))
+
+
+def test_bytes_per_step_in_expected_order():
+    if COLLECTIVES.rank != 0:
+        return  # the summaries are rank 0's
+    sent = BYTES_PER_STEP
+    assert sent["fp16"] * 2 == sent["dense"], sent
+    assert sent["pactrain-ternary"] < sent["pactrain"] < sent["dense"], sent
+    assert sent["powersgd"] < sent["powersgd-4"] < sent["dense"], sent

@@ -1,0 +1,65 @@
+"""Run a scenario module's tests with pytest on one rank of a job, and record every outcome.
+
+Usage (on every rank, under mpirun, torchrun or horovodrun):
+    python tests/scenario_runner.py REPORT_DIR PYTEST_ARGS...
+
+Every rank runs the same tests in the same order, so their collectives stay matched, and
+appends one JSON line per test phase to ``REPORT_DIR/rank<r>.jsonl`` as soon as the phase
+ends: a job that crashes or hangs later still reports what finished before. The outer test
+(``mpi_util.run_scenarios``) reads the files and reports each scenario on its own.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Where each launcher puts the rank (Open MPI, MPICH/Hydra, horovodrun --gloo, torchrun).
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK", "RANK")
+
+
+def launcher_rank():
+    for name in RANK_VARIABLES:
+        if name in os.environ:
+            return int(os.environ[name])
+    raise RuntimeError(f"no rank in the environment: none of {RANK_VARIABLES} is set; start "
+                       "this under mpirun, torchrun or horovodrun")
+
+
+class RankReport:
+    """pytest plugin: one JSON line per collection error, test phase and session end."""
+
+    def __init__(self, path):
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, **record):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.write(event="collect", outcome="failed", text=report.longreprtext)
+
+    def pytest_collection_finish(self, session):
+        self.write(event="collected", tests=[item.name for item in session.items])
+
+    def pytest_runtest_logreport(self, report):
+        self.write(event=report.when, test=report.nodeid.rpartition("::")[2],
+                   outcome=report.outcome, text=report.longreprtext if not report.passed else "")
+
+    def pytest_sessionfinish(self, exitstatus):
+        self.write(event="finished", exitstatus=int(exitstatus))
+        self.file.close()
+
+
+def main(report_dir, *pytest_args):
+    path = Path(report_dir) / f"rank{launcher_rank()}.jsonl"
+    # No conftest: the outer suite's session fixtures are not the scenarios' business; no
+    # cache: every rank would write the same .pytest_cache.
+    return pytest.main(["--noconftest", "-p", "no:cacheprovider", "-q", "--color=no", *pytest_args],
+                       plugins=[RankReport(path)])
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
