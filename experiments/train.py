@@ -817,21 +817,21 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     if cfg.backend == "ddp":
-        _exit_after_gloo()
+        atexit.register(_exit_after_gloo, 0)
     return 0
 
 
-def _exit_after_gloo():
-    """End a finished ``--backend ddp`` job without interpreter finalization: torch 2.13's gloo
-    can abort a finished rank while the interpreter is torn down (a C++ worker thread reaching
-    Python after finalization began: "terminate called without an active exception", about 1
-    run in 8 on a loaded 2-core host, with or without destroy_process_group()), which torchrun
-    reports as a failed job. Every rank arrives and the group is destroyed first, the results
-    are already written, so nothing is lost by leaving through ``os._exit``."""
+def _exit_after_gloo(status):
+    """At the exit of a process whose ``--backend ddp`` job finished, end it with ``status``
+    without interpreter finalization: torch 2.13's gloo can abort a finished rank while the
+    interpreter is torn down ("terminate called without an active exception": 1 run in 8 on a
+    loaded 2-core host, with or without destroy_process_group()), which torchrun reports as a
+    failed job. Every rank arrives and the group is destroyed first, and the results are
+    already written, so nothing is lost by leaving through ``os._exit``."""
     _close_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":

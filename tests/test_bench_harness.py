@@ -188,7 +188,10 @@ def test_write_report_adds_the_environment_and_keeps_the_data(tmp_path):
         "x", {"cpus": 99}, "pacmpi bench example")
     write_report(tmp_path / "c.json", data, "b", compact=True)
     compact = (tmp_path / "c.json").read_text()
-    assert "\n" not in compact and ", " not in compact and json.loads(compact)["ranks"] == 2
+    # Compact: exactly the separators-only dump (the metadata's own strings may hold ", ").
+    report = json.loads(compact)
+    assert compact == json.dumps(report, separators=(",", ":")) and report["ranks"] == 2
+    assert compact != json.dumps(report)  # negative control: the default dump has spaces
 
 
 def test_harness_imports_no_framework():

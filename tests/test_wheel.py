@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 PACKAGE_DIRS = {"pacmpi": ROOT / "pacmpi", "pacmpi.adapters": ROOT / "adapters",
-                "pacmpi.launch": ROOT / "launch"}
+                "pacmpi.launch": ROOT / "launch", "pacmpi.experiments": ROOT / "experiments"}
 NOT_SOURCE = (".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
               ".hypothesis", "results")
 
@@ -64,14 +64,15 @@ def expected_packages():
             for name, directory in PACKAGE_DIRS.items() for module in directory.rglob("*.py")}
 
 
-def test_wheel_holds_the_three_packages_under_pacmpi(dist):
+def test_wheel_holds_the_four_packages_under_pacmpi(dist):
     _, wheel, _ = dist
     with zipfile.ZipFile(wheel) as archive:
         files = archive.namelist()
         info = next(f for f in files if f.endswith(".dist-info/top_level.txt"))
         assert archive.read(info).decode().split() == ["pacmpi"]
         entry_points = archive.read(info.replace("top_level.txt", "entry_points.txt")).decode()
-    assert not [f for f in files if f.split("/")[0] in ("adapters", "launch", "tests")]
+    folders = ("adapters", "launch", "experiments", "tests")
+    assert not [f for f in files if f.split("/")[0] in folders]
     packages = {os.path.dirname(f).replace("/", ".") for f in files if f.endswith(".py")}
     assert packages == expected_packages()  # a new package missing from pyproject shows here
     for data in ("pacmpi/launch/slurm/pacmpi.sbatch", "pacmpi/launch/README.md",
