@@ -5,7 +5,17 @@ import pytest
 
 from pacmpi.experiments import train
 
-from mpi_util import run_mpi  # tests/ is put on sys.path by conftest.py
+from mpi_util import run_scenarios, scenario_names  # tests/ is put on sys.path by conftest.py
+
+E2E = "train_e2e_scenarios.py"
+BASELINES = "train_baselines_scenarios.py"
+TIMEOUT = 180  # generous: ranks share 2 cores; a hang still fails
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Shared by the launches of this module: the pretrained model is cached there."""
+    return str(tmp_path_factory.mktemp("train-mpi"))
 
 
 def test_parse_gradual():
@@ -45,18 +55,13 @@ def test_horovod_backend_fails_clearly_without_horovod(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_every_method_end_to_end_on_two_ranks(tmp_path):
-    result = run_mpi("train_e2e.py", 2, "methods", tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    for method in ("dense", "fp16", "pactrain", "pactrain-ternary", "topk", "json"):
-        assert f"OK {method}" in result.stdout, result.stdout + result.stderr
-
-
-@pytest.mark.mpi
-def test_resumed_run_is_bit_identical(tmp_path):
-    result = run_mpi("train_e2e.py", 2, "resume", tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK resume: bit-identical" in result.stdout, result.stdout + result.stderr
+@pytest.mark.timeout(2 * TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("scenario", scenario_names(E2E))
+def test_train_end_to_end_on_two_ranks(workdir, scenario):
+    """Every method for one epoch (accuracy, equal weights on every rank, bytes per step),
+    ``--json``, and a checkpointed run resumed bit for bit: one mpirun launch."""
+    run_scenarios(E2E, 2, timeout=2 * TIMEOUT,
+                  env=(("PACMPI_TEST_WORKDIR", workdir),)).check(scenario)
 
 
 def test_watchdog_option_is_parsed_and_validated():
@@ -70,8 +75,8 @@ def test_watchdog_option_is_parsed_and_validated():
 
 
 @pytest.mark.mpi
-def test_baselines_error_feedback_and_bias_probe_on_two_ranks(tmp_path):
-    result = run_mpi("train_baselines_e2e.py", 2, tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    for line in ("OK terngrad", "OK dgc", "OK bias probe", "OK error feedback off"):
-        assert line in result.stdout, result.stdout + result.stderr
+@pytest.mark.timeout(TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("scenario", scenario_names(BASELINES))
+def test_baselines_error_feedback_and_bias_probe_on_two_ranks(workdir, scenario):
+    run_scenarios(BASELINES, 2, timeout=TIMEOUT,
+                  env=(("PACMPI_TEST_WORKDIR", workdir),)).check(scenario)

@@ -1,11 +1,11 @@
 """``pacmpi train --backend horovod``: every collective of the job on one transport, so it runs
 under ``horovodrun --gloo`` (no MPI world) and under ``mpirun``, and matches ``--backend mpi``.
 
-The worker (``mpi_scripts/train_hvd_job.py``) checks identical weights on every rank and zero
-pruned weights; here the launches are bounded and the saved weights of the backends compared.
+The scenarios (``mpi_scripts/train_hvd_scenarios.py``, one launch per launcher, each reported
+on its own) check identical weights on every rank and zero pruned weights, and save the final
+weights; here the launches are bounded and the saved weights of the backends compared.
 """
 import copy
-import json
 import re
 import sys
 from pathlib import Path
@@ -19,73 +19,67 @@ from pacmpi.adapters.torch_sync import transport
 from pacmpi.experiments import train
 from pacmpi.experiments.models import DigitsCNN
 
-from mpi_util import run_horovod_gloo, run_mpi  # tests/ is put on sys.path by conftest.py
+from mpi_util import run_scenarios, scenario_cases  # tests/ is put on sys.path by conftest.py
 
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
-JOB = "train_hvd_job.py"
+MODULE = "train_hvd_scenarios.py"
+TIMEOUT = 150
+# horovodrun first: its launch writes the pretrained model the mpirun launch then reads.
+LAUNCHES = {
+    ("horovodrun",): ("test_horovod_pactrain", "test_horovod_pactrain_ternary",
+                      "test_horovod_fp16", "test_cli"),
+    ("mpirun",): ("test_horovod_pactrain", "test_horovod_dense", "test_mpi_pactrain",
+                  "test_cli"),
+}
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    return tmp_path_factory.mktemp("pretrained") / "pre.pt"  # written by the first launch
+def workdirs(tmp_path_factory):
+    """``(pretrained model path, {launcher: output folder})``, shared by the launches."""
+    pretrained = tmp_path_factory.mktemp("pretrained") / "pre.pt"  # by the first launch
+    return pretrained, {launcher: tmp_path_factory.mktemp(launcher) for launcher, in LAUNCHES}
 
 
-@pytest.fixture(scope="module")
-def gloo_run(tmp_path_factory, pretrained):
-    if not HOROVODRUN.exists():
+def launch(workdirs, launcher):
+    """The (one, cached) launch of ``launcher`` on 2 ranks; skips without horovodrun."""
+    if launcher == "horovodrun" and not HOROVODRUN.exists():
         pytest.skip("horovodrun not installed")
-    out = tmp_path_factory.mktemp("gloo")
-    result = run_horovod_gloo(JOB, 2, out, pretrained, "horovod:pactrain",
-                              "horovod:pactrain-ternary", "horovod:fp16", timeout=150)
-    return result.returncode, result.stdout + result.stderr, out
-
-
-@pytest.fixture(scope="module")
-def mpirun_run(tmp_path_factory, pretrained, gloo_run):  # after gloo_run: the cache exists
-    out = tmp_path_factory.mktemp("mpirun")
-    result = run_mpi(JOB, 2, out, pretrained, "horovod:pactrain", "horovod:dense",
-                     "mpi:pactrain", timeout=150)
-    return result.returncode, result.stdout + result.stderr, out
-
-
-def assert_ok(code, output, entries):
-    assert code == 0, output
-    for entry in entries:
-        assert f"OK {entry}" in output, output
-    assert output.count("pacmpi train:") == 1, output  # the CLI summary, on rank 0 only
+    pretrained, out = workdirs
+    return run_scenarios(MODULE, 2, launcher, only=LAUNCHES[launcher,], timeout=TIMEOUT,
+                         env=(("PACMPI_TEST_WORKDIR", str(out[launcher])),
+                              ("PACMPI_TEST_PRETRAINED", str(pretrained))))
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(200)
-def test_horovodrun_gloo_without_mpi_world(gloo_run):
-    code, output, out = gloo_run
-    assert_ok(code, output, ["horovod pactrain", "horovod pactrain-ternary", "horovod fp16"])
-    written = json.loads((out / "cli.json").read_text())
-    assert written["world_size"] == 2 and written["config"]["backend"] == "horovod"
-    assert len(written["steps"]) == 4
+@pytest.mark.timeout(TIMEOUT + 50)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("launcher, scenario", scenario_cases(MODULE, LAUNCHES))
+def test_train_horovod_backend(workdirs, launcher, scenario):
+    """Under horovodrun --gloo (no MPI world) and under mpirun."""
+    launch(workdirs, launcher).check(scenario)
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(200)
-def test_mpirun_horovod_backend(mpirun_run):
-    assert_ok(*mpirun_run[:2], ["horovod pactrain", "horovod dense", "mpi pactrain"])
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(300)
-def test_horovod_pactrain_matches_mpi_backend(gloo_run, mpirun_run):
+@pytest.mark.timeout(2 * TIMEOUT + 100)
+def test_horovod_pactrain_matches_mpi_backend(workdirs):
     """Same seed, data shards and pruned model; PacTrain is lossless and, on 2 ranks, a sum of
     two values (and Horovod's average of it) is exact in any order, so the weights agree to
     rounding (in practice bit for bit)."""
-    reference = torch.load(mpirun_run[2] / "mpi-pactrain.pt")
-    for path in (gloo_run[2] / "horovod-pactrain.pt", mpirun_run[2] / "horovod-pactrain.pt",
-                 mpirun_run[2] / "horovod-dense.pt"):
+    for launcher, in LAUNCHES:
+        launch(workdirs, launcher)  # both launches ran (cached), whatever their outcomes
+    gloo, mpirun = workdirs[1]["horovodrun"], workdirs[1]["mpirun"]
+    needed = [mpirun / "mpi-pactrain.pt", gloo / "horovod-pactrain.pt",
+              mpirun / "horovod-pactrain.pt", mpirun / "horovod-dense.pt",
+              gloo / "horovod-pactrain-ternary.pt"]
+    missing = [str(path) for path in needed if not path.exists()]
+    assert not missing, f"not saved (see test_train_horovod_backend): {missing}"
+    reference = torch.load(mpirun / "mpi-pactrain.pt")
+    for path in needed[1:4]:
         weights = torch.load(path)
         assert weights.keys() == reference.keys()
         for name, tensor in reference.items():
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     # Negative control: ternary quantization is lossy, so its weights must differ.
-    ternary = torch.load(gloo_run[2] / "horovod-pactrain-ternary.pt")
+    ternary = torch.load(gloo / "horovod-pactrain-ternary.pt")
     assert any(not torch.allclose(ternary[k].float(), reference[k].float()) for k in reference)
 
 
