@@ -5,14 +5,17 @@ Usage: nodes_probe.py [KILL_RANK]
 Every rank prints one line ``NODEPROBE {json}``: its rank, world size, host name, network
 namespace, IPv4 addresses, the size of its node-local communicator (MPI's view of "same
 node"), and whether a float64 all-reduce of integer-valued data equalled the exact sum.
-With KILL_RANK, that rank SIGKILLs itself before any communication and the rest wait in a
-barrier: the launcher has to end the job and report the dead rank.
+With KILL_RANK, that rank SIGKILLs itself before any communication and the rest wait,
+touching no peer: the launcher has to end the job and report the dead rank. (Waiting in a
+barrier instead raced: a rank's connection to the dead one is refused, and its own abort could
+reach the launcher before the kill did.)
 """
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -22,7 +25,7 @@ rank, size = comm.Get_rank(), comm.Get_size()
 if len(sys.argv) > 1:
     if rank == int(sys.argv[1]):
         os.kill(os.getpid(), signal.SIGKILL)
-    comm.Barrier()
+    time.sleep(50)  # ended by the launcher long before; the caller's timeout is 60 s
     sys.exit(0)
 
 # Integer-valued floats: every partial sum is exact, so any reduction order gives this value.
