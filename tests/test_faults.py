@@ -389,8 +389,13 @@ def test_sigkilled_rank_is_named_by_the_project_launcher():
 
 
 def watchdog_lines(stderr, collective=None):
-    """The watchdog's lines, or only those about collective number ``collective``."""
-    lines = [line for line in stderr.splitlines() if line.startswith("[pacmpi watchdog")]
+    """The watchdog's lines, or only those about collective number ``collective``.
+
+    mpirun merges every rank's stderr with its own messages, and a line can reach us behind a
+    stray byte of the launcher's (a NUL after MPI_ABORT's help text was seen under load), so a
+    line is taken from where the watchdog's prefix starts."""
+    marker = "[pacmpi watchdog"
+    lines = [line[line.index(marker):] for line in stderr.splitlines() if marker in line]
     if collective is None:
         return lines
     return [line for line in lines if f"] collective #{collective} (" in line]
@@ -429,9 +434,9 @@ def test_watchdog_reports_a_transient_stall_and_lets_the_job_finish(tmp_path):
                           env={"PACMPI_HEARTBEAT_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("STALL-DONE") == 2
-    stalls = re.findall(rf"^\[pacmpi watchdog rank 0/2 on {re.escape(HOST)}\] collective #(\d+) "
-                        rf"\(\w+\) has waited [\d.]+ s; not arrived: rank 1 on {re.escape(HOST)} ",
-                        result.stderr, re.M)
+    stalls = [match.group(1) for line in watchdog_lines(result.stderr) if (match := re.match(
+        rf"\[pacmpi watchdog rank 0/2 on {re.escape(HOST)}\] collective #(\d+) "
+        rf"\(\w+\) has waited [\d.]+ s; not arrived: rank 1 on {re.escape(HOST)} ", line))]
     assert stalls, result.stderr
     done = re.search(r"completed after about ([\d.]+) s$",
                      watchdog_lines(result.stderr, stalls[-1])[-1])
