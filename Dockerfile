@@ -28,7 +28,8 @@ RUN python3 -m venv /opt/venv && \
     # PyPI's Linux torch wheel is the CUDA build (the CPU set-up takes the local CPU wheel).
     pip install --no-cache-dir torch==${TORCH_VERSION} && \
     pip install --no-cache-dir --no-binary=mpi4py mpi4py && \
-    pip install --no-cache-dir numpy cupy-cuda12x scikit-learn matplotlib tqdm cloudpickle psutil pyyaml packaging \
+    # CuPy 14 is the first with bfloat16 arrays (ml_dtypes), which bf16 gradients need.
+    pip install --no-cache-dir numpy numba ml_dtypes "cupy-cuda12x>=14" scikit-learn matplotlib tqdm cloudpickle psutil pyyaml packaging \
         pytest pytest-timeout hypothesis
 
 COPY scripts/build_horovod.sh /opt/pacmpi/scripts/build_horovod.sh

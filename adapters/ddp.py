@@ -15,6 +15,17 @@ all-reduce per payload dtype, so results do not depend on DDP's bucketing (rebui
 first iterations, and started over by a resumed run). A step begins at DDP bucket 0 and ends
 when its last bucket is decoded; an unfinished one is abandoned at the next bucket 0.
 
+bfloat16 buckets (bf16 models; DDP buckets hold one dtype, so bf16 weights beside float32
+norms work) travel as bfloat16 and are summed by the process group (NCCL natively; gloo adds
+pairwise, rounding each addition). At 2 ranks that is the one rounding of ``a + b``: the hooked
+model equals DDP's default all-reduce of masked gradients bit for bit. At more ranks the order
+in which a coordinate's values are added follows its place in the payload (gloo's ring sums each
+1/N of it in another rotation of the N ranks), so packed and dense payloads may round
+differently, as DDP's own all-reduce does when ``bucket_cap_mb`` changes. Ternary codes of
+bfloat16 gradients are computed in float32, with float32 residuals. Under AMP an Inf or NaN on
+any rank reaches every rank's reduced gradient (lossless and ternary), so ``GradScaler`` skips
+that step on every rank together.
+
 A step whose DDP layout (each bucket's parameters) was not seen complete before -- the first,
 and the one after DDP rebuilds its buckets, on every rank at once -- is agreed bucket by bucket
 (a tiny MAX all-reduce before each payload): ranks whose buckets differ raise

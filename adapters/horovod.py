@@ -11,6 +11,11 @@ this rank submits any all-reduce of the step, so every rank reaches it and Horov
 negotiation cannot deadlock. A step abandoned midway (backward raised) ends with
 :meth:`PacTrainCompressor.reset_step`, or when a gradient it had compressed comes again.
 
+Horovod 0.28.1 cannot all-reduce bfloat16 (horovod#4047): a bfloat16 gradient's payload
+(lossless, or a ternary bucket sent unquantized) travels as a float32 copy, summed (or averaged)
+by Horovod in float32 and rounded to bfloat16 once in ``decompress``; ``quantize="fp16"`` and
+ternary words need no staging.
+
 Ternary words must be *summed* (``op=hvd.Sum``; ``average=True`` here gives the mean): Horovod
 averages integers by floor division, so each payload carries a sentinel 1 that must read
 ``hvd.size()`` after the reduction. Scales are agreed per parameter under its name, so a
@@ -22,7 +27,7 @@ import warnings
 import torch
 
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
-from pacmpi.adapters.horovod_collectives import HorovodCollectives
+from pacmpi.adapters.horovod_collectives import HorovodCollectives, summable
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.engine import BucketSpec, StepEngine
 from pacmpi.faults import ensure_abort_on_error
@@ -159,14 +164,14 @@ class PacTrainCompressor:
         elif error is not None:
             raise error
         wire, ctx = self._engine.encode(index, as_array(tensor).reshape(-1))
-        if ctx.kind == "dense" and self.quantize is None:
-            payload = as_tensor(wire)  # the gradient itself, reduced in place
-        elif self.quantize != "ternary":
-            payload = as_tensor(wire).clone()  # the engine's buffer is reused next step
-        else:
-            payload = torch.cat([as_tensor(wire).reshape(-1),
-                                 torch.ones(1, dtype=as_tensor(wire).dtype, device=tensor.device)])
-            self._engine.stats["bytes_sent"] += payload.element_size()
+        payload = as_tensor(wire)  # dense lossless: the gradient itself, reduced in place
+        if self.quantize == "ternary":
+            payload = torch.cat([payload, torch.ones(1, dtype=payload.dtype,
+                                                     device=tensor.device)])
+        elif ctx.kind != "dense":
+            payload = payload.clone()  # the engine's buffer is reused next step
+        payload = summable(payload)  # bfloat16 travels as float32
+        self._engine.stats["bytes_sent"] += payload.nbytes - wire.nbytes
         self._pending.add(index)
         return payload, ctx
 
@@ -185,6 +190,8 @@ class PacTrainCompressor:
                         f"floors); for the mean pass average=True to PacTrainCompressor")
                 tensor = tensor[:-1]
             param = self._params[ctx.bucket]
+            if param.dtype == torch.bfloat16 and tensor.dtype == torch.float32:
+                tensor = tensor.to(param.dtype)  # staged by summable(): rounded once, here
             out = tensor.reshape(-1) if ctx.kind == "dense" else torch.empty(
                 param.numel(), dtype=param.dtype, device=param.device)
             self._engine.decode(as_array(tensor).reshape(-1), ctx, as_array(out))

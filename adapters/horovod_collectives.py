@@ -2,10 +2,12 @@
 controller), so pacmpi's engine can verify and agree through Horovod."""
 import itertools
 
+import torch
+
 from pacmpi import Collectives
 from pacmpi.adapters.convert import as_tensor
 
-__all__ = ["HorovodCollectives"]
+__all__ = ["HorovodCollectives", "summable"]
 
 # One sequence for every HorovodCollectives of a process: ranks issue their collectives in the
 # same order, so the n-th call carries the same Horovod name on every rank.
@@ -17,12 +19,23 @@ def _hvd():
     return hvd
 
 
+def summable(tensor):
+    """``tensor`` in a dtype Horovod can sum: bfloat16 as a float32 copy (Horovod 0.28.1 has no
+    bfloat16 all-reduce, horovod#4047; float32 holds every bfloat16 exactly, so the sum is
+    rounded to bfloat16 once, when it comes back), any other dtype as it is."""
+    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+
+
 class _Request:
-    def __init__(self, handle):
-        self._handle = handle
+    """Completes a Horovod all-reduce; ``wait`` writes a float32-staged sum back (rounding)."""
+
+    def __init__(self, handle, staged, tensor):
+        self._handle, self._staged, self._tensor = handle, staged, tensor
 
     def wait(self):
         _hvd().synchronize(self._handle)
+        if self._staged is not self._tensor:
+            self._tensor.copy_(self._staged)
 
 
 class HorovodCollectives(Collectives):
@@ -31,7 +44,8 @@ class HorovodCollectives(Collectives):
     Arrays are wrapped as tensors without copies and reduced in place. Each call is named
     ``pacmpi.<kind>.<n>`` from a per-process sequence unless ``name=`` is given; a name that is
     stable across steps lets Horovod's response cache skip negotiation. Needs ``hvd.init()``.
-    Horovod has no unsigned integer SUM, so ternary words are int64.
+    Horovod has no unsigned integer SUM, so ternary words are int64, and no bfloat16 SUM, so
+    bfloat16 arrays are summed as float32 copies (:func:`summable`).
     """
 
     def __init__(self):
@@ -49,11 +63,14 @@ class HorovodCollectives(Collectives):
         return self._ops[op]
 
     def allreduce(self, buf, op="sum", name=None):
-        _hvd().allreduce_(as_tensor(buf), op=self._op(op), name=self._name("allreduce", name))
+        self.iallreduce(buf, op, name=self._name("allreduce", name)).wait()
 
     def iallreduce(self, buf, op="sum", name=None):
-        return _Request(_hvd().allreduce_async_(as_tensor(buf), op=self._op(op),
-                                                name=self._name("iallreduce", name)))
+        tensor = as_tensor(buf)
+        staged = summable(tensor)
+        return _Request(_hvd().allreduce_async_(staged, op=self._op(op),
+                                                name=self._name("iallreduce", name)),
+                        staged, tensor)
 
     def bcast(self, buf, root=0, name=None):
         _hvd().broadcast_(as_tensor(buf), root_rank=root, name=self._name("bcast", name))

@@ -9,8 +9,11 @@ waits, unpacks and averages. The same object runs the baselines (``method="dense
 so one script measures itself against them (the compression baselines, TopK among them, are
 in :mod:`pacmpi.experiments.baselines`).
 
-Tensors reach pacmpi zero-copy: CPU tensors as NumPy views (``Tensor.numpy()``), CUDA tensors
-as CuPy arrays via DLPack (CuPy is imported only when a CUDA tensor is seen).
+Tensors reach pacmpi zero-copy: CPU tensors as NumPy views (``Tensor.numpy()``; bfloat16 as
+``ml_dtypes.bfloat16`` views), CUDA tensors as CuPy arrays via DLPack (CuPy is imported only
+when a CUDA tensor is seen); see :mod:`pacmpi.adapters.convert`. Mixed-dtype models get a bucket
+per dtype; bfloat16 buckets are summed in bfloat16 by MPI through pacmpi's compiled sum
+(:mod:`pacmpi.half_sum`; device buffers host-staged).
 
 Parameters without a gradient in a step (``p.grad is None`` because the parameter did not take
 part in the forward pass on this rank) are given a zero gradient in :meth:`synchronize`, so every

@@ -76,9 +76,14 @@ def supported_float_dtypes():
 
 
 def check_float_dtype(dtype, what="gradient"):
-    """Raise ``TypeError`` naming ``dtype`` unless it is a supported floating dtype."""
-    dtype = np.dtype(dtype)
-    if dtype not in supported_float_dtypes():
-        names = ", ".join(str(d) for d in supported_float_dtypes())
+    """``dtype`` as a NumPy dtype (a name such as ``"bfloat16"`` too); ``TypeError`` naming it
+    unless it is a supported floating dtype."""
+    supported = supported_float_dtypes()  # imports ml_dtypes, which registers "bfloat16"
+    names = ", ".join(str(d) for d in supported)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{what} dtype {dtype!r} is not supported; use one of: {names}") from None
+    if dtype not in supported:
         raise TypeError(f"{what} dtype {dtype} is not supported; use one of: {names}")
     return dtype

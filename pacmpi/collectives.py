@@ -221,6 +221,10 @@ class MPICollectives(Collectives):
             buf.set(host)
             return
         synchronize(array_module(buf))
+        # As 16-bit words: mpi4py takes no bfloat16 array itself (NumPy exports no buffer of
+        # ml_dtypes' dtype, DLPack has none), and a broadcast only moves the bits.
+        if np.dtype(buf.dtype) in half_dtypes():
+            buf = [buf, buf.size, self._MPI.UINT16_T]
         if self._watchdog is None:
             self.comm.Bcast(buf, root=root)
         else:

@@ -17,8 +17,6 @@ import socket
 import time
 import warnings
 
-import numpy as np
-
 from . import kernels
 from .arrays import array_module
 from .collectives import Collectives, MPICollectives
@@ -130,8 +128,8 @@ class HierarchicalCollectives(Collectives):
             self.node.reduce(buf, op, root=0)
         if self.leaders is not None and self.leaders.size > 1:
             self.leaders.allreduce(buf, op)
-        if self.node.size > 1:  # as bytes: MPI has no datatype for bfloat16
-            self.node.bcast(buf.view(np.uint8), root=0)
+        if self.node.size > 1:
+            self.node.bcast(buf, root=0)
 
     def bcast(self, buf, root=0, name=None):
         self.world.bcast(buf, root=root)

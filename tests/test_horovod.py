@@ -19,7 +19,9 @@ backward raising mid-step, then reset_step() or the automatic reset, retries the
 bit-identically to an uninterrupted run; mismatch: the last rank moves its survivors at step 2
 (same count): every rank raises MaskMismatchError naming it, before anything is summed. On 4
 ranks: base-9 ternary words still decode exactly, the reducer over Horovod sums exactly, a
-divergent mask on rank 3 stops all four ranks.
+divergent mask on rank 3 stops all four ranks. bf16: Horovod itself refuses bfloat16; the
+compressor's float32-staged bf16 payloads average to the masked local grads rounded once, at 2
+and 4 ranks.
 """
 import pytest
 
@@ -29,7 +31,7 @@ pytest.importorskip("horovod.torch")
 
 MODULE = "hvd_compressor.py"
 TIMEOUT = 180  # generous: ranks share 2 cores; a hang still fails
-FOUR_RANKS = ("test_ternary", "test_reducer", "test_mismatch")
+FOUR_RANKS = ("test_ternary", "test_reducer", "test_bf16", "test_mismatch")
 LAUNCHES = {("horovodrun", 2): None, ("mpirun", 2): None, ("mpirun", 4): FOUR_RANKS}
 
 

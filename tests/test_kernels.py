@@ -2,21 +2,20 @@
 NumPy reference, bit for bit, for every gradient dtype, word dtype and rank count.
 
 The reference always runs on host copies, so a CuPy run is checked against NumPy's bits too.
-Without a GPU, the CUDA source is still compiled and run on the host (g++ and a small shim).
+Every route test also runs on "cuda-host": gpu.py's own wrappers, with CuPy replaced by
+tests/host_cupy.py, launching gpu.SOURCE compiled for the host by tests/host_cuda.py (the real
+grid, warps whose lanes exchange values), so the CUDA kernels' logic runs without a GPU.
 """
-import ctypes
 import functools
 import json
 import math
-import re
-import shutil
 import subprocess
 import sys
 import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pacmpi import kernels
@@ -24,6 +23,8 @@ from pacmpi.hashing import uniform
 from pacmpi.kernels import gpu, reference
 from pacmpi.ternary import TernaryCodec, stochastic_ternary, wire_bits_table
 
+import host_cuda
+import host_cupy
 from xp_util import ARRAY_MODULES, asnumpy
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -45,9 +46,32 @@ def _auto_backend(monkeypatch):
     kernels.set_backend(None)
 
 
+CUDA_HOST = pytest.param("cuda-host", id="cuda-host", marks=pytest.mark.skipif(
+    host_cuda.compiler() is None, reason="needs a C++ compiler for the host CUDA route"))
+# numpy: the Numba kernels; cuda-host: gpu.py on host_cupy; cupy: gpu.py on a GPU
+ON_EVERY_ROUTE = pytest.mark.parametrize("xp", [ARRAY_MODULES[0], CUDA_HOST, ARRAY_MODULES[1]],
+                                         indirect=True)
+
+
+@pytest.fixture
+def xp(request, monkeypatch):
+    """The array module of the route; for cuda-host, gpu.py's CuPy is host_cupy, and gpu.py's
+    caches are fresh ones, so nothing compiled for one CuPy reaches the other."""
+    if request.param != "cuda-host":
+        return request.param
+    monkeypatch.setattr(gpu, "_cupy", lambda: host_cupy)
+    for cached in ("_module", "_device_table"):
+        monkeypatch.setattr(gpu, cached, functools.lru_cache()(getattr(gpu, cached).__wrapped__))
+    return host_cupy
+
+
 def _xp_dtypes(xp):
-    """CuPy has no bfloat16."""
-    return [d for d in DTYPES if xp is np or d != BF16]
+    """Every dtype the array module can hold: bfloat16 needs CuPy >= 14 (ml_dtypes arrays)."""
+    try:
+        xp.zeros(1, BF16)
+    except (TypeError, ValueError):
+        return [d for d in DTYPES if d != BF16]
+    return DTYPES
 
 
 def _fused_route(xp):
@@ -65,12 +89,22 @@ def _bits(array):
 
 
 def assert_same(got, want):
-    """Same dtype, shape and bits (NaN payloads included); floats compare as values."""
+    """Same dtype, shape and bits (NaN payloads included); floats compare as values.
+
+    On a GPU, single-precision arithmetic with a NaN operand returns the canonical NaN
+    0x7fffffff (CUDA C++ Programming Guide, "Floating-Point Standard"), where NumPy on x86
+    carries the operand's payload and sign: there NaNs must sit where the reference has them,
+    and every other value must match bit for bit."""
     if isinstance(want, float):
         assert (math.isnan(got) and math.isnan(want)) or got == want, (got, want)
         return
+    on_gpu = type(got).__module__.startswith("cupy")
     got = asnumpy(got)
     assert got.dtype == want.dtype and got.shape == want.shape
+    if on_gpu and (want.dtype.kind == "f" or want.dtype == BF16):
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        got, want = got[~nan], want[~nan]
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
@@ -120,7 +154,7 @@ def _case(rng, dtype, size, packed, residual):
 
 
 # ---------------------------------------------------------------- gather, scatter, absmax
-@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@ON_EVERY_ROUTE
 def test_gather_and_scatter_match_the_reference(xp):
     rng = np.random.default_rng(0)
     for dtype in _xp_dtypes(xp):
@@ -136,7 +170,7 @@ def test_gather_and_scatter_match_the_reference(xp):
                 check_both(xp, "scatter", flat, None, flat, divisor)
 
 
-@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@ON_EVERY_ROUTE
 def test_fp16_wire_casts_match_the_reference(xp):
     """The fp16 payload path: a dense or packed gather into float16 and the scatter back,
     converted to the gradient's dtype before the division."""
@@ -155,17 +189,20 @@ def test_fp16_wire_casts_match_the_reference(xp):
                                    divisor)
 
 
+@ON_EVERY_ROUTE
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-def test_every_16_bit_pattern_divides_and_converts_as_numpy(dtype):
+def test_every_16_bit_pattern_divides_and_converts_as_numpy(xp, dtype):
     """All 65536 float16/bfloat16 values (NaN payloads, subnormals, Inf) through a divided
     scatter (16 -> 32 -> 16-bit conversion and rounding) and a float32 widening gather."""
     dtype = np.dtype(dtype) if dtype != "bfloat16" else BF16
+    if dtype not in _xp_dtypes(xp):
+        pytest.skip("this CuPy has no bfloat16 (CuPy >= 14 has)")
     every = np.arange(1 << 16, dtype=np.uint16).view(dtype)
     indices = np.arange(every.size, dtype=np.int64)
     with np.errstate(all="ignore"):
         for divisor in (2, 3, 7, 2049):  # 2: subnormals lose a bit, a tie half of the time
-            check_both(np, "scatter", every, None, np.empty_like(every), divisor)
-        check_both(np, "gather", every, indices, np.empty(every.size, np.float32))
+            check_both(xp, "scatter", every, None, np.empty_like(every), divisor)
+        check_both(xp, "gather", every, indices, np.empty(every.size, np.float32))
 
 
 @pytest.mark.parametrize("target", [np.float16, "bfloat16"])
@@ -219,7 +256,7 @@ def test_both_float16_conversion_routes_are_numpy_exact():
                                       err_msg=name)
 
 
-@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@ON_EVERY_ROUTE
 def test_absmax_matches_the_reference_and_flags_non_finite(xp):
     rng = np.random.default_rng(2)
     for dtype in _xp_dtypes(xp):
@@ -256,12 +293,12 @@ def _encode_decode_both(xp, rng, dtype, word, ranks, size, packed, residual, sca
                    np.full(size, 9, dtype))
 
 
-@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@ON_EVERY_ROUTE
 @pytest.mark.parametrize("word", WORDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ternary_encode_and_decode_match_the_reference(xp, word, dtype):
-    if xp is not np and dtype == BF16:
-        pytest.skip("CuPy has no bfloat16")
+    if dtype not in _xp_dtypes(xp):
+        pytest.skip("this CuPy has no bfloat16 (CuPy >= 14 has)")
     rng = np.random.default_rng(3)
     for ranks in RANKS:
         for size in (0, 1, 7, 1001):
@@ -277,27 +314,30 @@ def test_ternary_encode_and_decode_match_the_reference(xp, word, dtype):
         _encode_decode_both(xp, rng, dtype, word, 7, BIG, packed, "inplace", 4.0)
 
 
-@settings(max_examples=40, deadline=None)
+@ON_EVERY_ROUTE
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # xp keeps no state
 @given(size=st.integers(0, 3000), density=st.floats(0.0, 1.0), ranks=st.sampled_from(RANKS),
        word=st.sampled_from(WORDS), dtype=st.sampled_from(DTYPES),
        key=st.integers(0, 2 ** 64 - 1), scale=st.floats(0.5, 8.0))
-def test_fused_codec_matches_the_reference_on_random_cases(size, density, ranks, word, dtype,
-                                                           key, scale):
+def test_fused_codec_matches_the_reference_on_random_cases(xp, size, density, ranks, word,
+                                                           dtype, key, scale):
+    assume(dtype in _xp_dtypes(xp))
     rng = np.random.default_rng(size)
     codec = TernaryCodec(ranks, word)
     flat = _gradient(rng, size, dtype)
     indices = _survivors(rng, size, density) if density < 1 else None
     count = size if indices is None else indices.size
     residual = (rng.standard_normal(count) * 0.5).astype(reference.compute_dtype(dtype))
-    pairs = run_both(np, "ternary_encode", flat, indices, residual, residual, scale, key, codec,
+    pairs = run_both(xp, "ternary_encode", flat, indices, residual, residual, scale, key, codec,
                      np.empty(codec.words_for(count), codec.word_dtype))
     for got, want in pairs:
         assert_same(got, want)
-    check_both(np, "ternary_decode", pairs[0][1], count, codec, 1, scale, None, indices,
+    check_both(xp, "ternary_decode", pairs[0][1], count, codec, 1, scale, None, indices,
                np.empty(size, dtype))
 
 
-@pytest.mark.parametrize("xp", ARRAY_MODULES)
+@ON_EVERY_ROUTE
 @pytest.mark.parametrize("word", WORDS)
 def test_summed_words_of_several_ranks_decode_to_the_code_sums(xp, word):
     _fused_route(xp)
@@ -470,104 +510,118 @@ def test_uint64_lane_sums_never_carry_up_to_huge_rank_counts(data):
 
 
 # ---------------------------------------------------------------- the CUDA source, on the host
-_SHIM = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-struct dim3_ { unsigned x; };
-static dim3_ blockIdx, threadIdx, blockDim, gridDim;
-#define __device__
-#define __forceinline__ inline
-#define __global__
-static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-static inline long long __double_as_longlong(double d) {
-    long long u; std::memcpy(&u, &d, 8); return u; }
-static inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
-    return (unsigned long long)(((unsigned __int128)a * b) >> 64); }
-template<class T> T __shfl_down_sync(unsigned, T v, int) { return v; }  // one thread per warp
-static inline void atomicMax(unsigned long long* p, unsigned long long v) { if (v > *p) *p = v; }
-using std::fabs; using std::max; using std::min;
+_NARROW = r"""
+template<typename T> __global__ void narrow(const float* x, T* out, i64 n) {
+    GRID_STRIDE(i, n) store(out + i, x[i]);
+}
 """
-_CTYPE = {"int": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64,
-          "u32": ctypes.c_uint32, "float": ctypes.c_float, "double": ctypes.c_double}
 
 
-class HostCuda:
-    """Runs gpu.SOURCE's kernels on the host, every instantiation gpu.py launches: 3 blocks of
-    1 thread, so the grid-stride loops stride and a warp is one thread. :meth:`kernel`
-    replaces :func:`gpu._kernel`, so gpu.py's own launch code is what gets tested."""
-
-    def __init__(self, tmp_path):
-        self.names, code = {}, [_SHIM, gpu.SOURCE]
-        for number, expression in enumerate(gpu.expressions()):
-            name, ctypes_ = re.fullmatch(r"(\w+)<(.*)>", expression).groups()
-            ctypes_ = [t.strip() for t in ctypes_.split(",")]
-            header = re.search(r"template<([^>]*)>\s*__global__ void %s\((.*?)\)\s*\{" % name,
-                               gpu.SOURCE, re.S)
-            binding = dict(zip([p.split()[-1] for p in header.group(1).split(",")], ctypes_))
-            params = [p.replace("*", " * ").split() for p in header.group(2).split(",")]
-            kinds = [" ".join(binding.get(t, t) for t in p[:-1]) for p in params]
-            declared = ", ".join(f"{k} {p[-1]}" for k, p in zip(kinds, params))
-            call = f"{expression}({', '.join(p[-1] for p in params)})"
-            code.append(f'extern "C" void k{number}({declared}) {{ gridDim.x = 3; '
-                        f'blockDim.x = 1; threadIdx.x = 0; for (unsigned b = 0; b < 3; ++b) '
-                        f'{{ blockIdx.x = b; {call}; }} }}')
-            self.names[expression] = (f"k{number}", kinds)
-        (tmp_path / "k.cpp").write_text("\n".join(code))
-        subprocess.run(["g++", "-O1", "-std=c++14", "-shared", "-fPIC", "-ffp-contract=off",
-                        "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], check=True)
-        self.library = ctypes.CDLL(str(tmp_path / "k.so"))
-
-    def kernel(self, name, *dtypes):
-        symbol, kinds = self.names[gpu._expression(name, *dtypes)]
-
-        def launch(grid, block, args):
-            converted = [ctypes.c_void_p(a.ctypes.data) if "*" in kind else _CTYPE[kind](a)
-                         for kind, a in zip(kinds, args)]
-            getattr(self.library, symbol)(*converted)
-        return launch
-
-
-class _HostCupy:
-    """The few CuPy calls gpu.py makes, on NumPy arrays."""
-    empty, zeros, asarray, asnumpy, take = np.empty, np.zeros, np.asarray, np.asarray, np.take
-
-    class cuda:
-        class Device:
-            id = 0
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
-def test_cuda_source_matches_the_reference_when_run_on_the_host(tmp_path, monkeypatch):
-    host = HostCuda(tmp_path)
-    monkeypatch.setattr(gpu, "_kernel", host.kernel)
-    monkeypatch.setattr(gpu, "_cupy", lambda: _HostCupy)
-    monkeypatch.setattr(gpu, "_device_table", functools.lru_cache()(gpu._device_table.__wrapped__))
-    monkeypatch.setattr(kernels, "_cpu", lambda: gpu)  # the "numba" route now runs gpu.py
-    rng = np.random.default_rng(7)
-    for dtype in (np.float16, np.float32, np.float64):
-        for word in ("int32", "uint64"):
-            for ranks in (1, 3, 64):
-                for packed in (False, True):
-                    for residual, scale in zip(("none", "inplace"), SCALES[1:]):
-                        _encode_decode_both(np, rng, dtype, word, ranks, 301, packed, residual,
-                                            scale)
-        for packed in (False, True):
-            flat, indices, residual, _ = _case(rng, dtype, 999, packed, "given")
-            check_both(np, "absmax", flat, indices, residual)
-            flat[rng.integers(999, size=3)] = (np.nan, np.inf, -np.inf)
-            check_both(np, "absmax", flat, indices, None)
-            count = 999 if indices is None else indices.size
-            if packed:
-                check_both(np, "gather", flat, indices, np.empty(count, dtype))
-            for divisor in (None, 3):
-                check_both(np, "scatter", _gradient(rng, count, dtype, 100.0), indices,
-                           np.empty_like(flat), divisor)
-    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+@pytest.mark.parametrize("xp", [CUDA_HOST], indirect=True)
+@pytest.mark.parametrize("target", [np.float16, "bfloat16"])
+def test_cuda_stores_float32_in_16_bits_as_numpy(xp, target):
+    """The kernels' store() (ternary_decode's last step) on every tie and boundary: gpu.SOURCE
+    plus a kernel that only calls it."""
+    target = np.dtype(target) if target != "bfloat16" else BF16
+    values = np.concatenate([_float32_rounding_cases(13), _float32_rounding_cases(16)])
+    names = [gpu._expression("narrow", t) for t in (np.float16, BF16)]
+    module = xp.RawModule(code=gpu.SOURCE + _NARROW, options=gpu.OPTIONS, name_expressions=names)
+    out = xp.empty(values.size, target)
+    module.get_function(gpu._expression("narrow", target))(
+        (64,), (256,), (xp.asarray(values), out, np.int64(values.size)))
     with np.errstate(all="ignore"):
-        for divisor in (2, 7):
-            check_both(np, "scatter", every, None, np.empty_like(every), divisor)
+        assert_same(out, values.astype(target))
+
+
+@pytest.mark.parametrize("xp", [CUDA_HOST], indirect=True)
+def test_an_altered_cuda_source_fails_the_host_comparison(xp, monkeypatch):
+    """Negative control: one hash constant and the bfloat16 NaN constant changed in a copy
+    of gpu.SOURCE make the encoded words and the bfloat16 divisions differ from the reference,
+    while float16 (untouched) still matches."""
+    altered = gpu.SOURCE
+    for constant, other in (("0x846CA68Bu", "0x846CA68Du"), ("0x7FC0u", "0x7FC1u")):
+        assert altered.count(constant) == 1, constant
+        altered = altered.replace(constant, other)
+    monkeypatch.setattr(gpu, "SOURCE", altered)
+    codec = TernaryCodec(4, "uint64")
+    flat = _gradient(np.random.default_rng(8), 999, np.float32)
+    pairs = run_both(xp, "ternary_encode", flat, None, None, None, 2.0, KEY, codec,
+                     np.empty(codec.words_for(999), np.uint64))
+    assert not np.array_equal(asnumpy(pairs[0][0]), pairs[0][1])
+    with np.errstate(all="ignore"):
+        for dtype, differs in ((BF16, True), (np.dtype(np.float16), False)):
+            every = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+            (got, want), _, _ = run_both(xp, "scatter", every, None, np.empty_like(every), 3)
+            assert (_bits(got) != _bits(want)).any() == differs, dtype
+
+
+@pytest.mark.parametrize("xp", [CUDA_HOST], indirect=True)
+def test_cuda_grid_stride_loops_cover_more_values_than_threads(xp, monkeypatch):
+    """gpu.py caps the grid (at 65536 blocks, beyond the host's reach): capped at 3 blocks
+    here, every kernel's threads stride over many values."""
+    monkeypatch.setattr(gpu, "_MAX_BLOCKS", 3)
+    rng = np.random.default_rng(10)
+    for dtype in DTYPES:
+        for packed in (False, True):
+            _encode_decode_both(xp, rng, dtype, "uint64", 7, BIG, packed, "inplace", 4.0)
+            flat, indices, residual, _ = _case(rng, dtype, BIG, packed, "given")
+            check_both(xp, "absmax", flat, indices, residual)
+            check_both(xp, "scatter", _gradient(rng, residual.size, dtype), indices, flat, 3)
+
+
+_LANES = r"""
+typedef unsigned long long u64;
+__global__ void shuffle(const u64* in, u64* out, int delta) {
+    unsigned t = blockIdx.x * blockDim.x + threadIdx.x;
+    out[t] = __shfl_down_sync(0xFFFFFFFFu, in[t], delta);
+}
+__global__ void maximum(const u64* in, u64* out) {
+    atomicMax(out, in[blockIdx.x * blockDim.x + threadIdx.x]);
+}
+__global__ void exits_early(u64* out) {
+    if (threadIdx.x == 5) return;
+    out[threadIdx.x] = __shfl_down_sync(0xFFFFFFFFu, out[threadIdx.x], 1);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lanes():
+    if host_cuda.compiler() is None:
+        pytest.skip("needs a C++ compiler for the host CUDA route")
+    return host_cuda.RawModule(code=_LANES, options=gpu.OPTIONS,
+                               name_expressions=["shuffle", "maximum", "exits_early"])
+
+
+def test_host_warps_shuffle_and_atomics_act_as_cuda_says(lanes):
+    """__shfl_down_sync: lane l gets lane l + delta's value, its own past lane 31; atomicMax
+    across blocks keeps the maximum."""
+    values = np.random.default_rng(9).integers(0, 2 ** 63, 3 * 64, dtype=np.uint64)
+    lane = np.arange(values.size) % 32
+    for delta in (1, 5, 16):
+        out = host_cupy.zeros_like(host_cupy.asarray(values))
+        lanes.get_function("shuffle")((3,), (64,), (host_cupy.asarray(values), out,
+                                                      np.int32(delta)))
+        source = np.where(lane + delta < 32, np.arange(values.size) + delta, np.arange(lane.size))
+        np.testing.assert_array_equal(asnumpy(out), values[source])
+    top = host_cupy.zeros(1, np.uint64)
+    lanes.get_function("maximum")((3,), (64,), (host_cupy.asarray(values), top))
+    assert asnumpy(top)[0] == values.max()
+
+
+def test_host_launches_refuse_what_a_gpu_would_get_wrong(lanes):
+    """A partial warp or an exited lane in a full-warp shuffle, a scalar of another C type and
+    a host array are errors, not garbage."""
+    values, out = host_cupy.zeros(64, np.uint64), host_cupy.zeros(64, np.uint64)
+    shuffle = lanes.get_function("shuffle")
+    with pytest.raises(RuntimeError, match="all 32 lanes of a full warp"):
+        shuffle((1,), (48,), (values, out, np.int32(1)))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        lanes.get_function("exits_early")((1,), (32,), (out,))
+    with pytest.raises(TypeError, match="argument 2 is i8 .*the kernel takes i4"):
+        shuffle((1,), (32,), (values, out, np.int64(1)))
+    with pytest.raises(TypeError, match="argument 0 is a NumPy array, in host memory"):
+        shuffle((1,), (32,), (np.zeros(64, np.uint64), out, np.int32(1)))
 
 
 # ---------------------------------------------------------------- the microbenchmark

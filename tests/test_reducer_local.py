@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from pacmpi import MPICollectives, PacTrainReducer, RankInputError
+from pacmpi.arrays import check_float_dtype, supported_float_dtypes
 
 from xp_util import ARRAY_MODULES, asnumpy
 
@@ -37,15 +38,18 @@ def test_single_rank_reduce_is_the_masked_identity(xp, quantize):
 
 
 @pytest.mark.parametrize("xp", ARRAY_MODULES)
-def test_numpy_and_array_module_reducers_agree(xp):
+@pytest.mark.parametrize("quantize", [None, "ternary"])
+@pytest.mark.parametrize("dtype", [d.name for d in supported_float_dtypes()])
+def test_numpy_and_array_module_reducers_agree(xp, quantize, dtype):
     mask = np.random.default_rng(4).random((6, 7)) < 0.5
+    dtype = check_float_dtype(dtype)
     results = []
     for module in (np, xp):
-        reducer = local([module.asarray(mask), None], quantize="ternary", seed=11)
+        reducer = local([module.asarray(mask), None], quantize=quantize, seed=11)
         out = []
         for step in range(3):
             grads = [module.asarray(np.random.default_rng(step).standard_normal(s)
-                                    .astype(np.float32)) for s in [(6, 7), (5,)]]
+                                    .astype(dtype)) for s in [(6, 7), (5,)]]
             reducer.reduce(grads)
             out.append([asnumpy(g) for g in grads])
         results.append(out)

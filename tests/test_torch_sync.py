@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from pacmpi.adapters.convert import as_array
+from pacmpi.adapters import convert
+from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
 from pacmpi.adapters.torch_sync import PacTrainSync
 from pacmpi.experiments.baselines import TopKSync
 from pacmpi.experiments.models import DigitsCNN
@@ -30,6 +31,33 @@ def test_as_array_is_zero_copy_for_grads_and_masks():
     strided = torch.zeros(4, 6)[:, ::2]  # a non-contiguous grad is viewed, not copied
     as_array(strided)[0, 1] = 3.0
     assert strided[0, 1] == 3.0
+
+
+def test_bfloat16_crosses_as_its_16_bit_storage():
+    """CPU bfloat16 tensors <-> ml_dtypes.bfloat16 arrays, zero-copy both ways, strided too."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    grad = torch.tensor([[1.0, -2.5, 3.0e38], [2.0 ** -133, -0.0, 7.0]], dtype=torch.bfloat16)
+    view = as_array(grad)
+    assert view.dtype == ml_dtypes.bfloat16 and view.ctypes.data == grad.data_ptr()
+    assert np.array_equal(view.view(np.int16), grad.view(torch.int16).numpy())  # same bits
+    view[0, 1] = 0.5
+    assert grad[0, 1] == 0.5
+    as_array(grad[:, ::2])[1, 1] = 9.0  # strided: still a view
+    assert grad[1, 2] == 9.0
+    back = as_tensor(view)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == grad.data_ptr()
+    assert torch.equal(back.view(torch.int16), grad.view(torch.int16))
+    assert numpy_dtype(torch.bfloat16) == ml_dtypes.bfloat16
+    assert numpy_dtype(torch.float16) == np.float16
+    assert as_tensor(np.zeros(2)).dtype == torch.float64  # other dtypes as before
+
+
+def test_bfloat16_without_ml_dtypes_names_it(monkeypatch):
+    monkeypatch.setattr(convert, "bfloat16_dtype", lambda: None)
+    for call in (lambda: as_array(torch.zeros(2, dtype=torch.bfloat16)),
+                 lambda: numpy_dtype(torch.bfloat16)):
+        with pytest.raises(TypeError, match="ml_dtypes"):
+            call()
 
 
 def test_as_array_rejects_other_devices():

@@ -1,11 +1,14 @@
 """``python -m pacmpi.bench.codec``: the codec kernels of one bucket, fused vs the reference.
 
-For a float32 gradient of ``--size`` values at each ``--density``, times absmax,
-ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather and scatter through
-:mod:`pacmpi.kernels` on the fused route and on the NumPy reference, next to a plain
-``np.copyto`` of the same buffer in the same run. GB/s is of the dense float32 gradient
-(``size * 4`` bytes) per call, so densities compare directly. The first fused call of each
-kernel is timed on its own: Numba compiling it, or loading it from its on-disk cache.
+For a gradient of ``--size`` values (``--dtype``, float32 by default) at each ``--density``,
+times absmax, ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather and
+scatter through :mod:`pacmpi.kernels` on the fused route and on the NumPy reference, next to a
+plain ``copyto`` of the same buffer in the same run. Two rates per call: GB/s of the dense
+gradient (``size * itemsize`` bytes), so densities compare directly, and the share of copyto's
+memory bandwidth that the call's own traffic reaches (:func:`bytes_moved`: what it must read
+and write at least), which says how close a kernel runs to the memory's speed. The first fused
+call of each kernel is timed on its own: Numba compiling it, or loading it from its on-disk
+cache.
 """
 import argparse
 import os
@@ -14,11 +17,11 @@ import time
 import numpy as np
 
 from .. import kernels
-from ..arrays import synchronize
+from ..arrays import check_float_dtype, synchronize
 from ..ternary import TernaryCodec, ternary_key
 from . import harness
 
-__all__ = ["run", "format_table", "build_parser", "main"]
+__all__ = ["run", "bytes_moved", "format_table", "build_parser", "main"]
 
 OPS = ("copyto", "absmax", "ternary_encode", "ternary_decode", "gather", "scatter")
 
@@ -32,14 +35,15 @@ def _parse_count(text):
 class _Bucket:
     """One bucket's buffers at one density, and each op as a call on them."""
 
-    def __init__(self, size, density, codec, xp=np, seed=0):
+    def __init__(self, size, density, codec, xp=np, seed=0, dtype=np.float32):
         rng = np.random.default_rng(seed)
         self.xp = xp
-        self.flat = xp.asarray(rng.standard_normal(size).astype(np.float32))
+        self.flat = xp.asarray(rng.standard_normal(size).astype(dtype))
         indices = None if density >= 1 else np.flatnonzero(rng.random(size) < density)
         self.indices = None if indices is None else xp.asarray(indices)
         self.count = size if indices is None else indices.size
-        self.residual = xp.asarray((rng.standard_normal(self.count) * 0.1).astype(np.float32))
+        compute = kernels.compute_dtype(dtype)
+        self.residual = xp.asarray((rng.standard_normal(self.count) * 0.1).astype(compute))
         self.codec = codec
         self.scale = kernels.reference.absmax(xp, self.flat, self.indices, self.residual)
         self.key = ternary_key(seed, 0, 0, 0)
@@ -47,8 +51,8 @@ class _Bucket:
         kernels.reference.ternary_encode(xp, self.flat, self.indices, None, None, self.scale,
                                          self.key, codec, self.words)
         self.summed = self.words * codec.word_dtype.type(codec.world_size)
-        self.packed = xp.empty(self.count, np.float32)
-        self.out = xp.empty(size, np.float32)
+        self.packed = xp.empty(self.count, dtype)
+        self.out = xp.empty(size, dtype)
 
     def call(self, op):
         """A no-argument callable running ``op`` (None where it does not apply: no gather and
@@ -71,6 +75,25 @@ class _Bucket:
         return calls[op]
 
 
+def bytes_moved(op, bucket):
+    """Bytes that ``op`` on ``bucket`` must read and write at least: the survivors' values,
+    their int64 indices when packed, the compute-dtype residual (read, and written back by
+    the encoder), the packed words, and for the scattering ops the whole output (zeroed, then
+    the survivors written)."""
+    values = bucket.count * bucket.flat.itemsize
+    index = 0 if bucket.indices is None else bucket.count * 8
+    residual = bucket.residual.nbytes
+    words = bucket.words.nbytes
+    dense = bucket.out.nbytes
+    zeroed = 0 if bucket.indices is None else dense  # a packed scatter clears flat first
+    return {"copyto": 2 * dense,
+            "absmax": values + index + residual,
+            "ternary_encode": values + index + 2 * residual + words,
+            "ternary_decode": words + index + zeroed + values,
+            "gather": 2 * values + index,
+            "scatter": 2 * values + index + zeroed}[op]
+
+
 def _first_calls(buckets, route, import_seconds):
     """Seconds of each kernel's first fused call (compile or cache load), and the cache's
     account of it."""
@@ -91,11 +114,13 @@ def _first_calls(buckets, route, import_seconds):
 
 
 def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word="uint64",
-        reference=True, xp=np):
-    """Time every op on ``xp``'s arrays (NumPy, or CuPy for the GPU kernels); returns
-    ``{"config", "first_calls", "rows"}`` (JSON-able)."""
+        reference=True, xp=np, dtype="float32"):
+    """Time every op on ``xp``'s arrays (NumPy, or CuPy for the GPU kernels) of ``dtype``
+    (float16, bfloat16, float32 or float64); returns ``{"config", "first_calls", "rows"}``
+    (JSON-able)."""
+    dtype = check_float_dtype(dtype)
     codec = TernaryCodec(ranks, word)
-    buckets = [_Bucket(size, d, codec, xp) for d in densities]
+    buckets = [_Bucket(size, d, codec, xp, dtype=dtype) for d in densities]
     started = time.perf_counter()
     fused = kernels.backend(xp)  # imports Numba
     import_seconds = time.perf_counter() - started
@@ -106,7 +131,7 @@ def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word=
     routes = [fused] + (["numpy"] if reference and fused != "numpy" else [])
     rows = []
     for density, bucket in zip(densities, buckets):
-        copy_seconds = None
+        copy_rate = None
         for op in OPS:
             call = bucket.call(op)
             for route in ([] if call is None else ["numpy"] if op == "copyto" else routes):
@@ -115,30 +140,45 @@ def run(size=16 << 20, densities=(1.0, 0.5), threads=1, repeat=5, ranks=4, word=
                     timing = harness.time_op(call, repeat, sync=lambda: synchronize(xp))
                 finally:
                     kernels.set_backend(None)
-                copy_seconds = timing.min if op == "copyto" else copy_seconds
+                moved = bytes_moved(op, bucket) / timing.min / 1e9
+                copy_rate = moved if op == "copyto" else copy_rate
                 rows.append({"op": op, "density": density, "values": bucket.count,
                              "route": route, "best_s": timing.min, "median_s": timing.median,
-                             "GBps": size * 4 / timing.min / 1e9,
-                             "vs_copyto": timing.min / copy_seconds})
-    config = {"size": size, "densities": list(densities), "threads": threads, "ranks": ranks,
-              "device": "cpu" if xp is np else "cuda",
+                             "GBps": size * dtype.itemsize / timing.min / 1e9,
+                             "moved_GBps": moved, "of_copy_bandwidth": moved / copy_rate})
+    config = {"size": size, "dtype": dtype.name, "densities": list(densities),
+              "threads": threads, "ranks": ranks, "device": "cpu" if xp is np else "cuda",
               "word_dtype": word, "digits_per_word": codec.digits_per_word, "repeat": repeat,
-              "fused_route": fused, "dense_bytes": size * 4}
+              "fused_route": fused, "dense_bytes": size * dtype.itemsize}
     if fused == "numba":
         import numba
         config.update(numba=numba.__version__, threading_layer=numba.threading_layer())
+    if xp is not np:
+        config.update(_device_memory(xp))
     return {"config": config, "first_calls": first_calls, "rows": rows}
+
+
+def _device_memory(cupy):
+    """The GPU's name and its memory's nominal bandwidth (double data rate x bus width), for
+    comparison with copyto's measured one; None where the runtime no longer reports it."""
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    clock_khz, bus_bits = props.get("memoryClockRate", 0), props.get("memoryBusWidth", 0)
+    name = props["name"]
+    return {"gpu": name.decode() if isinstance(name, bytes) else str(name),
+            "nominal_GBps": 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz else None}
 
 
 _COLUMNS = (("op", "op", ">15"), ("dens", "density", ">5.2f"), ("route", "route", ">6"),
             ("best(ms)", lambda r: r["best_s"] * 1e3, ">9.2f"),
             ("median(ms)", lambda r: r["median_s"] * 1e3, ">10.2f"), ("GB/s", "GBps", ">7.2f"),
-            ("x copyto", "vs_copyto", ">8.2f"))
+            ("moved GB/s", "moved_GBps", ">10.2f"),
+            ("% copy BW", lambda r: 100 * r["of_copy_bandwidth"], ">9.0f"))
 
 
 def format_table(result):
     config = result["config"]
-    lines = [f"{config['size']} float32 values ({config['dense_bytes'] / 2 ** 20:.0f} MiB), "
+    lines = [f"{config['size']} {config['dtype']} values "
+             f"({config['dense_bytes'] / 2 ** 20:.0f} MiB), "
              f"{config['threads']} thread(s), ternary on {config['ranks']} ranks in "
              f"{config['word_dtype']} words ({config['digits_per_word']} digits each), "
              f"fused route: {config['fused_route']}"
@@ -159,7 +199,10 @@ def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m pacmpi.bench.codec",
                                                description=__doc__)
     parser.add_argument("--size", type=_parse_count, default=16 << 20,
-                        help="float32 values per bucket, e.g. 16M (default 16M)")
+                        help="gradient values per bucket, e.g. 16M (default 16M)")
+    parser.add_argument("--dtype", default="float32",
+                        help="gradient dtype: float16, bfloat16, float32 or float64 "
+                             "(default %(default)s)")
     parser.add_argument("--densities", default="1.0,0.5",
                         help="comma-separated mask densities (default %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
@@ -183,7 +226,8 @@ def main(argv=None):
     if args.device == "cuda":
         import cupy as xp
     result = run(args.size, [float(d) for d in args.densities.split(",")], args.threads,
-                 args.repeat, args.ranks, args.word, reference=not args.no_reference, xp=xp)
+                 args.repeat, args.ranks, args.word, reference=not args.no_reference, xp=xp,
+                 dtype=args.dtype)
     print(format_table(result))
     if args.json:
         harness.write_report(args.json, result, "python -m pacmpi.bench.codec")

@@ -4,9 +4,13 @@ CuPy is never imported here: the arrays are CuPy arrays, so the caller already i
 it is found in ``sys.modules``. Each call is one kernel launch (after a memset where flat must
 be zeroed first) with no full-size temporaries; absmax also reads back one word. A thread owns
 a ternary word, so a word's digits never cross threads. The arithmetic follows
-:mod:`pacmpi.kernels.cpu` step for step (IEEE division, no FMA contraction, float16 rounded
-bit by bit as NumPy does), so every route matches the reference bit for bit. CuPy has no
-bfloat16: such arrays never get here.
+:mod:`pacmpi.kernels.cpu` step for step (IEEE division, no FMA contraction, float16 and
+bfloat16 rounded bit by bit as NumPy and ml_dtypes do), so every route matches the reference bit
+for bit. The kernels take pointers and the array's dtype only selects the instantiation, so
+16-bit floats are stored as 16-bit structs: bfloat16 arrays (``ml_dtypes.bfloat16``) need
+CuPy >= 14, which accepts that dtype. One exception to "bit for bit": a GPU's single-precision
+arithmetic with a NaN operand returns the canonical NaN 0x7fffffff, where x86 carries the
+operand's payload and sign, so a NaN stays a NaN in the same place but its bits may differ.
 """
 import functools
 import sys
@@ -22,9 +26,10 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef long long i64;
 
-// A float16 element as stored; converted by hand exactly as NumPy's npy_half does, so NaN
-// payloads and rounding agree with the host reference.
-struct half_bits { unsigned short bits; };
+// 16-bit float elements as stored, converted by hand exactly as NumPy's npy_half and ml_dtypes
+// do, so NaN payloads and rounding agree with the host reference.
+struct half_bits { unsigned short bits; };  // float16
+struct bf16_bits { unsigned short bits; };  // bfloat16: the high half of a float32
 
 __device__ __forceinline__ float to_float(half_bits x) {
     u32 h = x.bits;
@@ -34,6 +39,9 @@ __device__ __forceinline__ float to_float(half_bits x) {
     if (exponent != 0) return __uint_as_float(sign | (((h & 0x7FFFu) << 13) + (112u << 23)));
     float magnitude = (float)(h & 0x3FFu) * 5.9604644775390625e-08f;  // subnormal: m * 2**-24
     return sign ? -magnitude : magnitude;
+}
+__device__ __forceinline__ float to_float(bf16_bits x) {
+    return __uint_as_float((u32)x.bits << 16);
 }
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ double to_float(double x) { return x; }
@@ -64,13 +72,26 @@ __device__ __forceinline__ half_bits to_half(float x) {
     return h;
 }
 
+// float32 -> bfloat16 bits, round half to even; NaN -> the quiet NaN of its sign (ml_dtypes).
+__device__ __forceinline__ bf16_bits to_bf16(float x) {
+    u32 f = __float_as_uint(x);
+    bf16_bits b;
+    b.bits = (unsigned short)(x != x ? ((f >> 16) & 0x8000u) | 0x7FC0u
+                                     : (f + 0x7FFFu + ((f >> 16) & 1u)) >> 16);
+    return b;
+}
+
 __device__ __forceinline__ void store(half_bits* p, float v) { *p = to_half(v); }
+__device__ __forceinline__ void store(bf16_bits* p, float v) { *p = to_bf16(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(double* p, double v) { *p = v; }
 
-// x / d in x's own dtype, as NumPy: float16 divides in float32 and rounds back.
+// x / d in x's own dtype, as NumPy: 16-bit floats divide in float32 and round back.
 __device__ __forceinline__ half_bits divided(half_bits x, float d) {
     return to_half(to_float(x) / d);
+}
+__device__ __forceinline__ bf16_bits divided(bf16_bits x, float d) {
+    return to_bf16(to_float(x) / d);
 }
 __device__ __forceinline__ float divided(float x, float d) { return x / d; }
 __device__ __forceinline__ double divided(double x, double d) { return x / d; }
@@ -164,10 +185,11 @@ __global__ void ternary_decode(const W* words, i64 count, int k, u64 base, const
 }
 """
 
+OPTIONS = ("--std=c++14", "--fmad=false")  # NVRTC's; no FMA contraction: as the reference
 _BLOCK = 256
 _MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
-_CTYPES = {"float16": "half_bits", "float32": "float", "float64": "double",
-           "uint32": "unsigned int", "uint64": "unsigned long long"}
+_CTYPES = {"float16": "half_bits", "bfloat16": "bf16_bits", "float32": "float",
+           "float64": "double", "uint32": "unsigned int", "uint64": "unsigned long long"}
 
 
 def _cupy():
@@ -175,12 +197,14 @@ def _cupy():
 
 
 def _expression(name, *dtypes):
-    return f"{name}<{', '.join(_CTYPES[np.dtype(d).name] for d in dtypes)}>"
+    """``name<ctypes>`` for dtypes or dtype names (bfloat16 by name: ml_dtypes may be absent)."""
+    names = (d if isinstance(d, str) else np.dtype(d).name for d in dtypes)
+    return f"{name}<{', '.join(_CTYPES[n] for n in names)}>"
 
 
 def expressions():
     """Every kernel instantiation the wrappers below launch."""
-    for storage in ("float16", "float32", "float64"):
+    for storage in ("float16", "bfloat16", "float32", "float64"):
         compute = "float64" if storage == "float64" else "float32"
         yield _expression("scatter", storage, compute)
         yield _expression("absmax", storage, compute)
@@ -192,8 +216,7 @@ def expressions():
 @functools.lru_cache(maxsize=None)
 def _module():
     """All kernels in one NVRTC compilation (CuPy also caches it on disk)."""
-    return _cupy().RawModule(code=SOURCE, options=("--std=c++14", "--fmad=false"),
-                             name_expressions=list(expressions()))
+    return _cupy().RawModule(code=SOURCE, options=OPTIONS, name_expressions=list(expressions()))
 
 
 def _kernel(name, *dtypes):

@@ -8,19 +8,27 @@ these tests in this order under mpirun (tests/test_torch_sync.py), each reported
    weights;
 4. gradual pruning through set_masks(): the step after a change falls back to dense
    (dense_fallbacks > 0) and later steps are packed again;
-5. broadcast_optimizer_state() makes rank-dependent Adam state rank 0's everywhere.
+5. broadcast_optimizer_state() makes rank-dependent Adam state rank 0's everywhere;
+6. bfloat16: a mixed-dtype model's packed gradients equal dense ones (and PacTrainReducer's on
+   NumPy bfloat16 arrays an explicit reference): bit for bit at 2 ranks, at more both are the
+   ranks' values added in some order (bf16_reference.py); ternary keeps float32 residuals.
 """
 import hashlib
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
+from pacmpi import PacTrainReducer
+from pacmpi.adapters.convert import as_array, as_tensor
 from pacmpi.adapters.pruning import MaskEnforcer, prune
 from pacmpi.adapters.torch_sync import broadcast_optimizer_state, broadcast_parameters
 from pacmpi.experiments.baselines import make_sync
 from pacmpi.experiments.models import DigitsCNN
+
+from bf16_reference import MixedBF16, in_some_order
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
@@ -30,7 +38,7 @@ STEPS = 6
 def digest(model):
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(as_array(p).tobytes())
     return h.hexdigest()
 
 
@@ -157,3 +165,79 @@ def test_optimizer_broadcast():
     flat = torch.cat([v.reshape(-1).float() for s in state.values() for v in s.values()])
     digests = comm.allgather(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
     assert len(set(digests)) == 1 and float(state[0]["step"]) == 1.0, digests
+
+
+def gathered(tensor):
+    """``tensor`` of every rank, in rank order."""
+    return [as_tensor(a) for a in comm.allgather(as_array(tensor))]
+
+
+def assert_summed(grads, local, what):
+    """Each reduced gradient is the mean of every rank's local one added in some order."""
+    for index, (grad, mine) in enumerate(zip(grads, local, strict=True)):
+        hit = in_some_order(grad, gathered(mine), size)
+        assert hit.all(), f"{what}: parameter {index}: {int((~hit).sum())} coordinates"
+
+
+def test_bf16():
+    """PacTrainSync on a mixed bf16/fp32 model: "pactrain" (packed) and "dense" from the same
+    weights and data, step by step, both sums of the ranks' (masked) local gradients, equal bit
+    for bit at 2 ranks; ternary trains with identical weights on every rank."""
+    runs = []
+    for method in ("pactrain", "dense", "pactrain-ternary"):
+        model = MixedBF16()
+        masks = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+                 for n, p in model.named_parameters() if p.dim() == 2}
+        sync = make_sync(model, method, masks=masks, bucket_bytes=1024)
+        local = {}  # parameter -> its local gradient, kept before the sync's hooks see it
+        for p in model.parameters():
+            p.register_hook(lambda g, p=p, local=local: local.__setitem__(p, g.clone()))
+        opt = torch.optim.SGD(model.parameters(), lr=2.0 ** -4)
+        sync.attach(opt)
+        runs.append((model, opt, local))
+    packed, dense = runs[0][0], runs[1][0]
+
+    def masked_local(model, local):  # every method masks (GSE) before it reduces
+        return [local[p].masked_fill(~masks[n], 0) if n in masks else local[p]
+                for n, p in model.named_parameters()]
+
+    for step in range(3):
+        dense.load_state_dict(packed.state_dict())
+        grads = []
+        for model, opt, local in runs:
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = (torch.randn(16, 24, generator=g) * 4).to(torch.bfloat16)
+            t = torch.randn(16, 8, generator=g)
+            opt.zero_grad()
+            (model(x).float() - t).pow(2).mean().backward()
+            opt.step()  # the attached sync reduces first
+            grads.append([p.grad.clone() for p in model.parameters()])
+            assert_identical(model, f"bf16 step {step}")
+            if model is not runs[2][0]:
+                assert_summed(grads[-1], masked_local(model, local), f"step {step}")
+        if size == 2:
+            assert all(map(torch.equal, grads[0], grads[1])), f"step {step}: pactrain != dense"
+    assert all(torch.isfinite(p).all() for p in runs[2][0].parameters())
+
+
+def test_bf16_reducer():
+    """PacTrainReducer on NumPy bfloat16 arrays (with a float32 one: a bucket per dtype):
+    masked sums as the reference's; ternary codes keep float32 residuals."""
+    gen = torch.Generator().manual_seed(rank)
+    grads = [(torch.randn(300, generator=gen) * 8).to(torch.bfloat16),
+             torch.randn(50, generator=gen), (torch.randn(7, 9, generator=gen)).to(torch.bfloat16)]
+    keep = torch.rand(300, generator=torch.Generator().manual_seed(2)) < 0.4
+    masks = [as_array(keep), None, None]
+    arrays = [as_array(g.clone()) for g in grads]
+    reducer = PacTrainReducer(masks, bucket_bytes=256)
+    for _ in range(2):  # the second step is packed
+        arrays = [as_array(g.clone()) for g in grads]
+        reducer.reduce(arrays)
+    assert reducer.stats["packed_reductions"] > 0, reducer.stats
+    assert {str(b.dtype) for b in reducer.layout.buckets} == {"bfloat16", "float32"}
+    local = [grads[0].masked_fill(~keep, 0), *grads[1:]]
+    assert_summed([as_tensor(a) for a in arrays], local, "reducer")
+    ternary = PacTrainReducer(masks, quantize="ternary")
+    ternary.reduce([as_array(g.clone()) for g in grads])
+    residuals = ternary.state_dict()["residuals"]
+    assert residuals and all(r.dtype == np.float32 for r in residuals.values()), residuals
