@@ -14,10 +14,23 @@ per-rank files are deleted only afterwards, so a crash at any moment leaves the 
 checkpoint loadable and never a mix of two.
 
 Resuming at the same world size restores everything, so the run continues bit for bit as if
-uninterrupted (given the same thread count and deterministic kernels). At another world size,
-what is per-rank cannot carry over: error-feedback residuals restart from zero and each rank's
-RNG is reseeded from ``(step, rank)``; both are reported with ``warnings.warn``. The tracker
-state (identical on every rank) is taken from rank 0's file.
+uninterrupted (given the same thread count and deterministic kernels). At another world size
+(an elastic restart with fewer or more workers), what is per-rank is re-laid by one rule,
+reported with one ``warnings.warn``:
+
+* PacTrain's error-feedback residuals: every new rank starts from the mean, over the old ranks,
+  of their residuals (a rank without one for a parameter counts as zero). Averaged reductions
+  (the default, as DDP's) then still owe exactly what the old run owed:
+  ``(1/N') * N' * mean = (1/N) * sum``. Residuals of a hierarchical reduction (node sums kept by
+  node leaders) and the state of other methods' syncs are left to the sync, which drops them
+  with its own warning.
+* RNG states: each rank's is reseeded from ``(step, rank)``.
+
+Masks, the mask tracker and the step are the same on every rank and carry over unchanged (taken
+from rank 0's file). A sync whose state holds its masks (:class:`PacTrainSync`) saves them
+itself; for the DDP hook state (:class:`pacmpi.adapters.ddp.PacTrainHookState`), pass the mask
+tensors it was built with as ``masks=``: they are saved, and restored in place on load before
+the hook state (whose tracker checks them).
 """
 import glob
 import os
@@ -30,6 +43,7 @@ import numpy as np
 import torch
 
 from pacmpi import MPICollectives
+from pacmpi.adapters.pruning import masks_digest
 from pacmpi.verify import raise_together
 
 __all__ = ["atomic_save", "load_checkpoint", "save_checkpoint"]
@@ -101,18 +115,88 @@ def _together(collectives, action):
     return result
 
 
-def save_checkpoint(path, *, model, optimizer, sync, step, epoch, extra=None, comm=None):
+def _split_masks(sync_state, masks):
+    """``(masks entry of the checkpoint, sync state without masks)``: the sync's own masks, or
+    ``masks`` for a sync that keeps none (the DDP hook state)."""
+    if "masks" in sync_state:
+        if masks is not None:
+            raise ValueError("masks= is for a sync that keeps no masks (the DDP hook state); "
+                             "this sync's state holds its own")
+        return ({"masks": sync_state.pop("masks"), "fingerprint": sync_state.pop("fingerprint")},
+                sync_state)
+    if masks is None:
+        raise ValueError("this sync's state holds no masks: pass the mask tensors it was built "
+                         "with as masks=")
+    saved = {name: mask.detach().to(torch.bool).cpu().clone() for name, mask in masks.items()}
+    return {"masks": saved, "fingerprint": masks_digest(saved), "external": True}, sync_state
+
+
+def _restore_masks(shared, masks, sync_state):
+    """Return ``sync_state`` with the checkpoint's masks for a sync that keeps them; for one that
+    does not, check ``masks`` fits the checkpoint's (raising before anything changes) and return
+    a function that writes them into ``masks`` in place."""
+    external = shared.get("external", False)
+    if (masks is not None) != external:
+        raise ValueError("the checkpoint's masks were saved with masks= (DDP hook state): pass "
+                         "masks= to load_checkpoint too" if external else "masks= is for a "
+                         "checkpoint of a sync that keeps no masks (the DDP hook state)")
+    saved = shared["masks"]
+    if not external:
+        return dict(sync_state, masks=saved, fingerprint=shared["fingerprint"]), None
+    if masks_digest(saved) != shared["fingerprint"]:
+        raise ValueError("checkpoint masks do not match their fingerprint (corrupt file?)")
+    bad = sorted(set(masks) ^ set(saved)) + [name for name in sorted(set(masks) & set(saved))
+                                             if tuple(masks[name].shape) != saved[name].shape]
+    if bad:
+        raise ValueError(f"masks= differ from the checkpoint's in names or shapes: {bad}")
+
+    def write():
+        with torch.no_grad():
+            for name, mask in masks.items():
+                mask.copy_(saved[name].to(mask.dtype))
+    return sync_state, write
+
+
+def _engine_part(sync_state):
+    """The reduction engine's state in a sync's: :class:`PacTrainSync` nests it under
+    ``"engine"``; the DDP hook state's and the Horovod compressor's is the engine's."""
+    return sync_state.get("engine", sync_state)
+
+
+def _relaid(states, size):
+    """Rank 0's sync state of ``states`` (one per rank of another world size), re-laid for
+    ``size`` ranks: PacTrain residuals become their mean over the old ranks (module docstring).
+    Returns ``(state, number of residual arrays re-laid)``; ``(states[0], 0)`` for states the
+    rule does not cover (another method's, hierarchical), which the sync then handles itself."""
+    engine = _engine_part(states[0])
+    if "tracker" not in engine or "node_layout" in engine:
+        return states[0], 0
+    parts = [_engine_part(state)["residuals"] for state in states]
+    names = sorted({name for part in parts for name in part}, key=str)
+    residuals = {}
+    for name in names:
+        present = [part[name] for part in parts if name in part]
+        total = np.sum([np.asarray(r, dtype=np.float64) for r in present], axis=0)
+        residuals[name] = (total / len(states)).astype(np.asarray(present[0]).dtype)
+    engine = dict(engine, residuals=residuals, world_size=size)
+    state = dict(states[0], engine=engine, world_size=size) if "engine" in states[0] else engine
+    return state, len(residuals)
+
+
+def save_checkpoint(path, *, model, optimizer, sync, step, epoch, extra=None, masks=None,
+                    comm=None):
     """Write a checkpoint of the run (collective: call on every rank with the same arguments).
 
     ``step`` / ``epoch`` / ``extra`` describe where training stands (``extra`` is any picklable
-    value, e.g. ``{"batch_in_epoch": 3}``); :func:`load_checkpoint` returns them. ``comm``:
-    communicator for the checkpoint's control messages (default: the sync's transport).
+    value, e.g. ``{"batch_in_epoch": 3}``); :func:`load_checkpoint` returns them. ``masks``: the
+    mask tensors of a sync that keeps none itself (the DDP hook state). ``comm``: communicator
+    for the checkpoint's control messages (default: the sync's transport).
     """
     collectives = _control(sync, comm)
     rank, size = collectives.rank, collectives.size
     tag = collectives.allgather_object(f"s{int(step)}-{uuid.uuid4().hex[:12]}")[0]
-    sync_state = sync.state_dict()
-    masks = {"masks": sync_state.pop("masks"), "fingerprint": sync_state.pop("fingerprint")}
+    mask_entry, sync_state = _together(collectives, lambda: _split_masks(sync.state_dict(),
+                                                                         masks))
     per_rank = {"tag": tag, "rank": rank, "world_size": size, "sync": sync_state,
                 "rng": _rng_state()}
     _together(collectives, lambda: atomic_save(per_rank, rank_file(path, tag, rank)))
@@ -122,7 +206,7 @@ def save_checkpoint(path, *, model, optimizer, sync, step, epoch, extra=None, co
             return
         shared = {"tag": tag, "world_size": size, "step": int(step), "epoch": int(epoch),
                   "extra": extra, "model": model.state_dict(),
-                  "optimizer": optimizer.state_dict(), **masks}
+                  "optimizer": optimizer.state_dict(), **mask_entry}
         atomic_save(shared, path)
         for stale in glob.glob(glob.escape(path) + ".*.rank*"):
             if not stale.startswith(f"{path}.{tag}.rank"):
@@ -131,34 +215,45 @@ def save_checkpoint(path, *, model, optimizer, sync, step, epoch, extra=None, co
     _together(collectives, commit)
 
 
-def load_checkpoint(path, *, model, optimizer, sync, comm=None):
-    """Restore a checkpoint written by :func:`save_checkpoint` into ``model``, ``optimizer`` and
-    ``sync`` (collective). Returns ``{"step", "epoch", "extra", "world_size"}``."""
+def load_checkpoint(path, *, model, optimizer, sync, masks=None, comm=None):
+    """Restore a checkpoint written by :func:`save_checkpoint` into ``model``, ``optimizer``,
+    ``sync`` and (if it was saved with them) the ``masks`` tensors, in place (collective). At
+    another world size the per-rank state is re-laid (module docstring), with a warning.
+    Returns ``{"step", "epoch", "extra", "world_size"}`` (``world_size``: the checkpoint's)."""
     collectives = _control(sync, comm)
     rank, size = collectives.rank, collectives.size
 
     def read():
         shared = torch.load(path, map_location="cpu", weights_only=False)
-        same_world = shared["world_size"] == size
-        per_rank = torch.load(rank_file(path, shared["tag"], rank if same_world else 0),
-                              map_location="cpu", weights_only=False)
-        if per_rank["tag"] != shared["tag"]:
-            raise ValueError(f"{path}: per-rank file tag {per_rank['tag']!r} does not match "
-                             f"{shared['tag']!r}")
-        return shared, per_rank
+        old = shared["world_size"]
+        states = []
+        for r in [rank] if old == size else range(old):
+            part = torch.load(rank_file(path, shared["tag"], r), map_location="cpu",
+                              weights_only=False)
+            if part["tag"] != shared["tag"]:
+                raise ValueError(f"{path}: per-rank file tag {part['tag']!r} does not match "
+                                 f"{shared['tag']!r}")
+            states.append(part)
+        sync_state, relaid = ((states[0]["sync"], None) if old == size else
+                              _relaid([part["sync"] for part in states], size))
+        sync_state, write_masks = _restore_masks(shared, masks, sync_state)
+        return shared, states[0]["rng"], sync_state, relaid, write_masks
 
-    shared, per_rank = _together(collectives, read)
-    same_world = shared["world_size"] == size
+    shared, rng, sync_state, relaid, write_masks = _together(collectives, read)
     model.load_state_dict(shared["model"])
     optimizer.load_state_dict(shared["optimizer"])
-    sync.load_state_dict({**per_rank["sync"], "masks": shared["masks"],
-                          "fingerprint": shared["fingerprint"]})
-    if same_world:
-        _set_rng_state(per_rank["rng"])
+    if write_masks is not None:
+        write_masks()
+    if relaid is None:
+        sync.load_state_dict(sync_state)
+        _set_rng_state(rng)
     else:
+        residuals = (f"each rank starts from the mean of the {shared['world_size']} ranks' "
+                     f"error-feedback residuals ({relaid} arrays); " if relaid else "")
         warnings.warn(f"resuming at world size {size} from a checkpoint taken at "
-                      f"{shared['world_size']}: per-rank RNG states are reseeded from "
-                      f"(step, rank)", RuntimeWarning, stacklevel=2)
+                      f"{shared['world_size']}: {residuals}per-rank RNG states are reseeded "
+                      f"from (step, rank)", RuntimeWarning, stacklevel=2)
+        sync.load_state_dict(sync_state)
         _reseed(shared["step"], rank)
     return {"step": shared["step"], "epoch": shared["epoch"], "extra": shared["extra"],
             "world_size": shared["world_size"]}

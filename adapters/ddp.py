@@ -1,7 +1,8 @@
 """PacTrain as a DistributedDataParallel communication hook, and :class:`pacmpi.Collectives`
 over ``torch.distributed``::
 
-    state = PacTrainHookState(ddp_model, masks)          # masks: parameter name -> bool mask
+    state = PacTrainHookState(model, masks)   # masks: parameter name -> bool mask; may precede
+    ddp_model = DDP(model)                    # init_process_group and DDP, as PowerSGDState
     ddp_model.register_comm_hook(state, pactrain_hook)
 
 Launch with torchrun (gloo on CPU, NCCL on GPU; ``dist.init_process_group()`` reads its env)::
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
-from pacmpi.engine import BucketSpec, StepEngine
+from pacmpi.engine import BucketSpec, StepEngine, check_options
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.verify import raise_together, run_together
 
@@ -59,36 +60,36 @@ def _on_stream(tensor):
 class PacTrainHookState:
     """State of :func:`pactrain_hook` for one DDP model (the DDP module or the one it wraps).
 
+    Like ``PowerSGDState`` it may be built before ``init_process_group`` and before DDP wraps
+    the model: construction only checks the options; the rest -- masks against the model's
+    parameters, the process group (``None``: the default group, resolved then), the engine --
+    is bound by :meth:`bind`, which the first hook call makes when nobody did. Binding is
+    collective: bad input (a mask of the wrong shape or naming no parameter, on any rank)
+    raises RankInputError on every rank together, from ``backward()`` when the hook binds.
+
     ``masks``: parameter name (``torch.nn.utils.prune``'s logical names work too) -> bool or
     0/1 mask of its shape, re-read at every verification; ``quantize``: one of
     :data:`pacmpi.QUANTIZE_MODES` (``None``, ``"fp16"``, ``"ternary"``); ``average`` as DDP's
-    default hook; other options as
-    :class:`pacmpi.PacTrainReducer`'s. Construction is collective (bad input: RankInputError on
-    every rank). Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks
-    first). Pickling drops the process group and the model: :meth:`bind` the new model.
+    default hook; other options as :class:`pacmpi.PacTrainReducer`'s. Checkpoints:
+    :meth:`state_dict` / :meth:`load_state_dict` (restore the masks first). Pickling drops the
+    process group and the model: :meth:`bind` the new model.
     """
 
     def __init__(self, model, masks, *, process_group=None, quantize=None, average=True,
                  stable_steps=1, verify_every=1, on_mismatch="raise", error_feedback=True,
                  seed=0, abort_on_error=None):
-        self.process_group, self._collectives, self._specs, self._params = (process_group, None,
-                                                                            None, None)
-        self._lock, error = threading.Lock(), None
-        try:  # collectives are made after _bind, on the model's device
-            self._bind(model, masks)
-            self.engine = StepEngine(
-                self.collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel()) for n, p in
-                                   zip(self._names, self._params)], layout=self._specs,
-                quantize=quantize, average=average, seed=seed, verify_every=verify_every,
-                on_mismatch=on_mismatch, stable_steps=stable_steps,
-                error_feedback=error_feedback, word_dtype="int64")
-            self._flat_masks()
-        except (TypeError, ValueError) as exc:
-            error = exc
-        ensure_abort_on_error(abort_on_error, size=self.collectives.size)
-        raise_together(self.collectives, error)
+        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every)
+        self._model = _module(model)
+        self.masks = masks  # as given: re-read at every verification, kept through pickling
+        self._options = dict(quantize=quantize, average=average, seed=seed,
+                             verify_every=verify_every, on_mismatch=on_mismatch,
+                             stable_steps=stable_steps, error_feedback=error_feedback)
+        self._abort_on_error = abort_on_error
+        self.process_group, self.engine, self._collectives = process_group, None, None
+        self._specs = self._params = None  # _params is None: not bound (yet, or since pickling)
+        self._lock = threading.Lock()
 
-    step = property(lambda self: self.engine.step, doc="Completed steps.")
+    step = property(lambda self: self.engine.step if self.engine else 0, doc="Completed steps.")
     stats = property(lambda self: self.engine.stats)
 
     @property
@@ -99,20 +100,38 @@ class PacTrainHookState:
         return self._collectives
 
     # ------------------------------------------------------------------ parameters and masks
-    def bind(self, model):
-        """Bind to ``model`` (after unpickling); its parameters must match. Collective."""
-        run_together(self.collectives, self._bind, model, self._named_masks)
+    def bind(self, model=None):
+        """Bind to ``model`` (default: the one given at construction; after unpickling, pass
+        the new one; its parameters must match) and to the process group. Collective: every
+        rank binds together, or raises RankInputError together and stays unbound."""
+        if model is None and self._model is None:
+            raise RuntimeError("PacTrainHookState was unpickled: call state.bind(model) first")
+        saved, error = dict(self.__dict__), None
+        try:
+            self._bind(_module(model) if model is not None else self._model, self.masks)
+            self.engine = self.engine or StepEngine(
+                self.collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel()) for n, p in
+                                   zip(self._names, self._params)], layout=self._specs,
+                word_dtype="int64", **self._options)
+            self.engine.collectives = self.collectives  # None after unpickling
+            self._flat_masks()
+        except (TypeError, ValueError) as exc:
+            error = exc
+        try:
+            ensure_abort_on_error(self._abort_on_error, size=self.collectives.size)
+            raise_together(self.collectives, error)
+        except BaseException:
+            self.__dict__.update(saved)  # unbound again on every rank: the next call retries
+            raise
 
     def _bind(self, model, masks):
-        module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
-            else model
-        named = list(module.named_parameters())
+        named = list(model.named_parameters())
         specs = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
         if self._specs not in (None, specs):
             raise ValueError(f"the model's parameters (name, shape, dtype) differ from the "
                              f"state's; first: {[s for s in specs if s not in self._specs][:3]}")
-        self._bound = MaskBinding(named, masks, module)
-        self._named_masks = masks  # kept through pickling, for bind()
+        self._bound = MaskBinding(named, masks, model)
+        self._model, self._collectives = model, None  # collectives on the parameters' device
         self._names, self._params, self._specs = self._bound.names, self._bound.params, specs
         self._slot = {id(p): i for i, p in enumerate(self._params)}
         # _layout: [(parameter ids, slots)] per DDP bucket of the last complete step, or None;
@@ -151,7 +170,6 @@ class PacTrainHookState:
 
     def _hook(self, bucket):
         index, last, buffer = bucket.index(), bucket.is_last(), bucket.buffer()
-        self.engine.collectives = self.collectives  # rebuilt after unpickling
         ids = tuple(map(id, bucket.parameters()))
         if index == 0 and self._current is not None:  # the last step never finished
             self.engine.abandon_step()
@@ -207,7 +225,10 @@ class PacTrainHookState:
     # ------------------------------------------------------------------ checkpoints, pickling
     def state_dict(self):
         """Step, mask tracker, error-feedback residuals (host arrays by parameter name),
-        counters and the parameters' (name, shape, dtype). Between steps only."""
+        counters and the parameters' (name, shape, dtype). Between steps only; before the
+        first step it binds (collective)."""
+        if self._params is None:
+            self.bind()
         if self._current is not None:
             raise RuntimeError("PacTrainHookState.state_dict() during a step")
         state = self.engine.state_dict()
@@ -216,7 +237,10 @@ class PacTrainHookState:
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output. Collective: fails on every rank together (other
-        parameters, quantize mode, or masks than the checkpoint's), changing nothing."""
+        parameters, quantize mode, or masks than the checkpoint's), changing nothing. Binds
+        first when nobody has (before the first step)."""
+        if self._params is None:
+            self.bind()
         apply = run_together(self.collectives, self._loader, state,
                              errors=(TypeError, ValueError, KeyError))
         if self._current is not None:
@@ -228,14 +252,13 @@ class PacTrainHookState:
         if [(n, tuple(s), d) for n, s, d in state["params"]] != self._specs:
             raise ValueError("checkpoint parameters (name, shape, dtype) differ from the model's")
         index = {name: i for i, name in enumerate(self._names)}
-        self.engine.collectives = self.collectives
         return self.engine.loader(dict(state, residuals={
             index[n]: r for n, r in state["residuals"].items()}), self._flat_masks())
 
     def __getstate__(self):
         state = dict(self.__dict__, _layout=None, _current=None, _open=set(), _saw_last=False)
         state.update(dict.fromkeys(("process_group", "_collectives", "_lock", "_params",
-                                    "_slot", "_bound"), None))
+                                    "_slot", "_bound", "_model"), None))
         return state
 
     def __setstate__(self, state):
@@ -245,6 +268,15 @@ class PacTrainHookState:
 def pactrain_hook(state, bucket):
     """DDP communication hook: ``ddp_model.register_comm_hook(state, pactrain_hook)`` with a
     :class:`PacTrainHookState`; a future of the averaged bucket, pruned coordinates exactly 0."""
-    if state._params is None:
-        raise RuntimeError("PacTrainHookState was unpickled: call state.bind(model) first")
+    if state._params is None:  # the first call, every rank's bucket 0: bind together
+        state.bind()
     return state._hook(bucket)
+
+
+def _module(model):
+    """The module whose parameters DDP reduces: ``model`` or the one a DDP ``model`` wraps."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (or DDP of one), got "
+                        f"{type(model).__name__}")
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        else model

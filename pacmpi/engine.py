@@ -115,6 +115,17 @@ def _bits_float(bits):
     return float(np.array(bits, dtype=np.int64).view(np.float64))
 
 
+def check_options(*, quantize, on_mismatch, verify_every):
+    """Raise ValueError for a bad option of :class:`StepEngine`: a front end that builds its
+    engine later (once the process group exists) calls this at construction."""
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if on_mismatch not in MISMATCH_POLICIES:
+        raise ValueError(f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
+    if not isinstance(verify_every, int) or verify_every < 1:
+        raise ValueError(f"verify_every must be a positive integer, got {verify_every!r}")
+
+
 class StepEngine:
     """Mask tracking, verification, encoding and state for a fixed set of buckets.
 
@@ -140,13 +151,7 @@ class StepEngine:
     def __init__(self, collectives, buckets, *, layout=(), quantize=None, average=True,
                  verify_every=1, on_mismatch="raise", stable_steps=1, error_feedback=True,
                  seed=0, word_dtype="auto"):
-        if quantize not in QUANTIZE_MODES:
-            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-        if on_mismatch not in MISMATCH_POLICIES:
-            raise ValueError(
-                f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
-        if not isinstance(verify_every, int) or verify_every < 1:
-            raise ValueError(f"verify_every must be a positive integer, got {verify_every!r}")
+        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every)
         self.collectives = collectives
         self.buckets = tuple(buckets)
         self.layout = list(layout)

@@ -8,12 +8,15 @@ timeout.
 match: after k steps the hooked model equals DDP's default all-reduce of masked grads bit for
 bit (integer data), with rebuilt buckets, static_graph, gradient_as_bucket_view,
 find_unused_parameters and verify_every=2; pruned weights and reduced grads stay 0; ranks end
-bit-identical. accumulate: no_sync. prune: torch.nn.utils.prune's logical names. dtypes:
+bit-identical. early_state: a state built of the plain module before DDP wraps it (also in a
+process group of its own, or pickled before binding) binds when first used and trains the
+same. accumulate: no_sync. prune: torch.nn.utils.prune's logical names. dtypes:
 float32 + float64 parameters. ternary: lowers a least-squares loss. unbiased: the mean of 300
 decoded ternary averages is within the noise of the exact average, and a biased rounding is
 not. checkpoint: state_dict / pickle + bind resume bit for bit (lossless and ternary), a
-checkpoint that does not fit fails on every rank. errors: a bad mask shape on one rank, bad
-keys, bad options raise RankInputError on every rank; DDP buckets that differ between ranks
+checkpoint that does not fit fails on every rank. errors: a bad mask shape on one rank and bad
+keys raise RankInputError on every rank, at bind() or from backward() when the hook binds; a
+bad option raises ValueError at construction; DDP buckets that differ between ranks
 raise LayoutMismatchError from backward() on every rank, no hang. resync: on_mismatch="resync"
 adopts rank 0's masks. mismatch: the last rank moves its survivors at step 2 (same count):
 every rank raises MaskMismatchError naming it, before anything is summed. On 4 ranks: base-9
@@ -75,6 +78,31 @@ def test_train_backend_ddp_without_torchrun(tmp_path):
             "MASTER_PORT": port})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "on 1 ranks, method pactrain" in done.stdout, done.stdout
+
+
+def test_state_is_built_without_a_process_group():
+    """As PowerSGDState: construction checks the options only, before any process group; an
+    unbound state pickles with its masks and options and asks for bind(model)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from pacmpi.adapters.ddp import PacTrainHookState
+
+    assert not dist.is_initialized()
+    model = torch.nn.Linear(3, 2)
+    state = PacTrainHookState(model, {"weight": torch.ones(2, 3, dtype=torch.bool)},
+                              quantize="ternary")
+    assert state.step == 0 and state.engine is None
+    copy = pickle.loads(pickle.dumps(state))
+    assert torch.equal(copy.masks["weight"], state.masks["weight"])
+    with pytest.raises(RuntimeError, match=r"call state.bind\(model\)"):
+        copy.bind()
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        PacTrainHookState(model, {}, quantize="fp8")
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        PacTrainHookState(model.state_dict(), {})
 
 
 def test_bad_configurations_are_refused():

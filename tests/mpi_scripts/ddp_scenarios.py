@@ -71,9 +71,12 @@ class Run:
     """A DDP training run, with the PacTrain hook (``hook=True``) or DDP's default all-reduce
     whose result is masked afterwards (the reference). ``grads``: each step's reduced grads."""
 
-    def __init__(self, hook=True, model=None, masks=None, ddp_kw=SMALL, state=None, **kw):
+    def __init__(self, hook=True, model=None, masks=None, ddp_kw=SMALL, state=None,
+                 early=False, **kw):
         self.model = Net() if model is None else model
         self.masks = make_masks(self.model) if masks is None else masks
+        if hook and state is None and early:  # of the plain module, before DDP wraps it
+            state = PacTrainHookState(self.model, self.masks, **kw)
         self.ddp = DDP(self.model, **ddp_kw)
         self.state = state
         if hook and state is None:
@@ -162,6 +165,31 @@ def test_match():
     run = train(4, verify_every=2)
     assert_same(run, train(4, hook=False))
     assert run.state.stats["verifications"] == 2, run.state.stats
+
+
+def test_early_state():
+    """A state built of the plain module before DDP wraps it is unbound until the first hook
+    call binds it, and trains as one built of the DDP model; so does one in a process group of
+    its own. state_dict() binds too; a state pickled unbound binds to the new model."""
+    state = PacTrainHookState(Net(), {}, quantize="ternary")
+    assert state.engine is None and state.step == 0
+    for kw in ({}, {"process_group": dist.new_group()}, {"quantize": "ternary"}):
+        run = train(4, early=True, **kw)
+        assert run.state.step == 4 and run.state.process_group is kw.get("process_group")
+        assert_same(run, train(4, **kw), exact=True)
+    run = Run(early=True, quantize="ternary")
+    saved = run.state.state_dict()  # binds: collective
+    assert saved["step"] == 0 and not saved["residuals"], saved
+    # Pickled before binding (options and masks travel), bound to the new process's model.
+    state = pickle.loads(pickle.dumps(PacTrainHookState(Net(), make_masks(Net()),
+                                                        quantize="ternary")))
+    expect(RuntimeError, lambda: Run(model=Net(), masks=state.masks, state=state).step(0),
+           "call state.bind(model) first")
+    run = Run(model=Net(), masks=state.masks, state=state)
+    state.bind(run.ddp)
+    for step in range(4):
+        run.step(step)
+    assert_same(run, train(4, quantize="ternary"), exact=True)
 
 
 def test_accumulate():
@@ -327,10 +355,18 @@ def test_errors():
     masks = make_masks(model)
     if RANK == last:
         masks["a.weight"] = masks["a.weight"][:, :5]
-    expect(RankInputError, lambda: PacTrainHookState(model, masks),
+    expect(RankInputError, lambda: PacTrainHookState(model, masks).bind(),
            f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
-    expect(RankInputError, lambda: PacTrainHookState(model, {"nope": None}), "['nope']")
-    expect(RankInputError, lambda: PacTrainHookState(model, {}, quantize="fp8"), "quantize")
+    expect(RankInputError, lambda: PacTrainHookState(model, {"nope": None}).bind(), "['nope']")
+    # Binding at the first hook call: from backward() on every rank; the state stays unbound.
+    state = PacTrainHookState(model, masks)
+    ddp = DDP(model)
+    ddp.register_comm_hook(state, pactrain_hook)
+    x, t = batch(0, RANK)
+    expect(RankInputError, lambda: (ddp(x) * t).sum().backward(),
+           f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
+    assert state._params is None and state.engine is None
+    expect(ValueError, lambda: PacTrainHookState(model, {}, quantize="fp8"), "quantize")
 
     # find_unused_parameters keeps DDP's first buckets (capped per rank): the last rank's
     # differ. Every rank raises LayoutMismatchError from backward() at step 0.

@@ -129,8 +129,9 @@ def test_save_at_4_ranks():
 
 
 def test_resume_at_2_ranks():
-    """Resuming the 4-rank checkpoint warns about the world size, the residuals and the RNG
-    states, and trains on with identical weights on every rank."""
+    """Resuming the 4-rank checkpoint warns about the world size, the residuals (re-laid: each
+    rank starts from their mean) and the RNG states, and trains on with identical weights on
+    every rank."""
     assert comm.size == 2, comm.size
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -140,7 +141,8 @@ def test_resume_at_2_ranks():
     steps(model, sync, opt, K, STEPS)
     assert identical(model)
     warned = "\n".join(str(w.message) for w in caught)
-    for needle in ("resuming pactrain-ternary at world size 2", "residuals",
+    for needle in ("resuming at world size 2 from a checkpoint taken at 4: each rank starts "
+                   "from the mean of the 4 ranks' error-feedback residuals",
                    "per-rank RNG states are reseeded"):
         assert needle in warned, (needle, warned)
     # Stale per-rank files of older checkpoints were removed; the current ones remain.

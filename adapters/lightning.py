@@ -1,0 +1,61 @@
+"""PacTrain in PyTorch Lightning: a callback beside ``DDPStrategy``'s communication hook::
+
+    state = PacTrainHookState(model, masks, quantize="ternary")   # model: the LightningModule
+    trainer = Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=pactrain_hook),
+                      callbacks=[PacTrainCallback(state)])
+
+Lightning registers ``ddp_comm_hook`` on CUDA only (``DDPStrategy._register_ddp_hooks``); on
+other devices it drops it without a word, so the callback registers the hook where Lightning did
+not. It also keeps pruned weights and optimizer state at exactly 0 after every optimizer step
+(:class:`pacmpi.adapters.pruning.MaskEnforcer`), and carries the state's
+:meth:`~pacmpi.adapters.ddp.PacTrainHookState.state_dict` in Lightning's checkpoints
+(``ModelCheckpoint``, ``trainer.save_checkpoint``; restored by ``fit(ckpt_path=...)``), with
+every rank's error-feedback residuals: Lightning writes rank 0's checkpoint only.
+"""
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
+
+from pacmpi.adapters.ddp import pactrain_hook
+from pacmpi.adapters.pruning import MaskEnforcer
+
+__all__ = ["PacTrainCallback"]
+
+
+class PacTrainCallback(Callback):
+    """Registers :func:`~pacmpi.adapters.ddp.pactrain_hook` with ``state`` (a
+    :class:`~pacmpi.adapters.ddp.PacTrainHookState` of the LightningModule) on Lightning's DDP
+    model unless Lightning did, enforces the state's masks after every optimizer step, and saves
+    and restores the state with Lightning's checkpoints (collectively, on every rank, as
+    Lightning calls callbacks' ``state_dict``)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def on_fit_start(self, trainer, pl_module):
+        ddp = trainer.strategy.model
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"PacTrainCallback needs a DDP strategy (DDPStrategy, 'ddp'); the "
+                            f"trainer's {type(trainer.strategy).__name__} wraps the model in "
+                            f"{type(ddp).__name__}")
+        # DDP lists the hooks registered on it; Lightning registers its own on CUDA only.
+        if all(state is not self.state for _, state in getattr(ddp, "_comm_hooks", ())):
+            ddp.register_comm_hook(self.state, pactrain_hook)
+        enforcer = MaskEnforcer(pl_module, self.state.masks)
+        for optimizer in trainer.optimizers:
+            enforcer.attach(optimizer)
+
+    def state_dict(self):
+        state = self.state.state_dict()
+        # Residuals are each rank's own, and Lightning writes rank 0's checkpoint: gather them
+        # all (as tensors: Lightning loads with torch.load's default weights_only=True, which
+        # refuses NumPy arrays).
+        mine = {name: torch.from_numpy(values) for name, values in state["residuals"].items()}
+        return dict(state, residuals=self.state.collectives.allgather_object(mine))
+
+    def load_state_dict(self, state_dict):
+        ranks, collectives = state_dict["residuals"], self.state.collectives
+        # At another world size the engine drops the residuals, with a warning.
+        mine = ranks[collectives.rank] if len(ranks) == collectives.size else ranks[0]
+        self.state.load_state_dict(dict(state_dict, residuals={
+            name: values.numpy() for name, values in mine.items()}))
