@@ -2,6 +2,8 @@
 
 - :mod:`.ddp`: ``pactrain_hook`` and ``PacTrainHookState`` for ``DistributedDataParallel``.
 - :mod:`.lightning`: ``PacTrainCallback`` for PyTorch Lightning's ``DDPStrategy``.
+- :mod:`.huggingface`: ``PacTrainCallback`` for the Transformers ``Trainer`` (with
+  Accelerate, register the hook on the prepared model).
 - :mod:`.horovod`: ``PacTrainCompressor`` for ``hvd.DistributedOptimizer(compression=...)``.
 - :mod:`.torch_sync`: ``PacTrainSync`` for raw PyTorch loops over mpi4py, and the broadcasts
   that start such a loop.
@@ -14,4 +16,5 @@ Submodules are imported on demand so ``import pacmpi.adapters`` stays cheap and 
 only loaded by the code that uses it. The training job, benchmarks and baselines live in
 :mod:`pacmpi.experiments`.
 """
-__all__ = ["ddp", "lightning", "horovod", "torch_sync", "pruning", "checkpoint", "convert"]
+__all__ = ["ddp", "lightning", "huggingface", "horovod", "torch_sync", "pruning", "checkpoint",
+           "convert"]
