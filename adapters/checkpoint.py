@@ -163,6 +163,19 @@ def _engine_part(sync_state):
     return sync_state.get("engine", sync_state)
 
 
+def mean_residuals(parts):
+    """The world-size rule for error-feedback residuals (module docstring): ``parts`` holds each
+    old rank's residuals (name -> array); every new rank starts from their mean over the old
+    ranks, a rank without one for a name counting as zero."""
+    names = sorted({name for part in parts for name in part}, key=str)
+    residuals = {}
+    for name in names:
+        present = [part[name] for part in parts if name in part]
+        total = np.sum([np.asarray(r, dtype=np.float64) for r in present], axis=0)
+        residuals[name] = (total / len(parts)).astype(np.asarray(present[0]).dtype)
+    return residuals
+
+
 def _relaid(states, size):
     """Rank 0's sync state of ``states`` (one per rank of another world size), re-laid for
     ``size`` ranks: PacTrain residuals become their mean over the old ranks (module docstring).
@@ -171,13 +184,7 @@ def _relaid(states, size):
     engine = _engine_part(states[0])
     if "tracker" not in engine or "node_layout" in engine:
         return states[0], 0
-    parts = [_engine_part(state)["residuals"] for state in states]
-    names = sorted({name for part in parts for name in part}, key=str)
-    residuals = {}
-    for name in names:
-        present = [part[name] for part in parts if name in part]
-        total = np.sum([np.asarray(r, dtype=np.float64) for r in present], axis=0)
-        residuals[name] = (total / len(states)).astype(np.asarray(present[0]).dtype)
+    residuals = mean_residuals([_engine_part(state)["residuals"] for state in states])
     engine = dict(engine, residuals=residuals, world_size=size)
     state = dict(states[0], engine=engine, world_size=size) if "engine" in states[0] else engine
     return state, len(residuals)

@@ -20,16 +20,36 @@ Ternary words must be *summed* (``op=hvd.Sum``; ``average=True`` here gives the 
 averages integers by floor division, so each payload carries a sentinel 1 that must read
 ``hvd.size()`` after the reduction. Scales are agreed per parameter under its name, so a
 differing gradient order stalls (Horovod's warning) instead of pairing the wrong scales.
+
+Elastic Horovod (``hvd.elastic.run``): pass the compressor to the state beside the model and
+optimizer, ``hvd.elastic.TorchState(model, optimizer, compression=compressor, ...)`` (a state
+handler for it is registered with Horovod when a compressor is built). ``state.commit()`` saves
+its engine state (step, mask tracker, residuals, counters) with the model; after a failure
+``restore()`` rolls it back to that commit; after every reset each rank binds anew to the new
+world together, as at first use (construction is not collective, so a worker that joins may
+build its compressor before ``hvd.elastic.run``, as Horovod requires), and the ranks that held
+state at the last commit carry it over: the step, tracker and counters of the most advanced
+ones, masks verified against it on every rank. Error-feedback residuals: when the world is the
+same set of ranks each keeps its own; otherwise every rank starts from the sum of the residuals
+the old ranks kept, divided by the old world size (a lost rank's count as zero): with averaged
+reductions the new run then owes what the old one did, ``(1/N') * N' * mean = (1/N) * sum``,
+the rule of :mod:`pacmpi.adapters.checkpoint`.
 """
 import itertools
 import warnings
 
+import numpy as np
 import torch
 
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
-from pacmpi.adapters.horovod_collectives import HorovodCollectives, summable
+from pacmpi.adapters.horovod_collectives import (
+    HorovodCollectives,
+    restart_names,
+    summable,
+    world_size,
+)
 from pacmpi.adapters.masks import MaskBinding
-from pacmpi.engine import BucketSpec, StepEngine
+from pacmpi.engine import BucketSpec, StepEngine, check_options
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.verify import raise_together, run_together
 
@@ -45,7 +65,8 @@ class PacTrainCompressor:
 
     Pass it as ``compression=`` to ``hvd.DistributedOptimizer`` or ``hvd.allreduce``. It reduces
     the ``.grad`` of bound parameters, recognised by identity (else by storage and shape).
-    Construction is collective (after ``hvd.init()``): bad arguments raise on every rank.
+    Construction checks the options only; :meth:`bind` (collective, after ``hvd.init()``; the
+    first ``compress`` binds when nobody did) checks the masks on every rank together.
 
     Parameters
     ----------
@@ -76,49 +97,118 @@ class PacTrainCompressor:
     def __init__(self, model_or_named_parameters, masks, *, quantize=None, average=False,
                  stable_steps=1, verify_every=1, error_feedback=True, seed=0,
                  abort_on_error=None):
-        collectives = HorovodCollectives()
-        ensure_abort_on_error(abort_on_error, size=collectives.size)
-        error = None
-        try:
-            module = model_or_named_parameters
-            is_module = isinstance(module, torch.nn.Module)
-            self._bound = MaskBinding(list(module.named_parameters() if is_module else module),
-                                      masks, module if is_module else None)
-            self._names, self._params = self._bound.names, self._bound.params
-            specs = [BucketSpec(n, numpy_dtype(p.dtype), p.numel())
-                     for n, p in zip(self._names, self._params)]
-            self._engine = StepEngine(
-                collectives, specs, layout=self._describe(), quantize=quantize,
-                average=average, verify_every=verify_every, stable_steps=stable_steps,
-                error_feedback=error_feedback, seed=seed, word_dtype="int64")
-            if average and quantize != "ternary":  # Horovod's op averages the other payloads
-                raise ValueError(f"average=True is for quantize='ternary', not {quantize!r}: "
-                                 "pass op=hvd.Average to Horovod instead")
-        except (TypeError, ValueError) as exc:
-            error = exc
-        raise_together(collectives, error)
+        check_options(quantize=quantize, on_mismatch="raise", verify_every=verify_every)
+        if average and quantize != "ternary":  # Horovod's op averages the other payloads
+            raise ValueError(f"average=True is for quantize='ternary', not {quantize!r}: "
+                             "pass op=hvd.Average to Horovod instead")
+        self._source, self._masks, self._bound = model_or_named_parameters, masks, None
+        self._options = dict(quantize=quantize, average=average, verify_every=verify_every,
+                             stable_steps=stable_steps, error_feedback=error_feedback, seed=seed)
+        self._abort_on_error = abort_on_error
+        self._engine = self._world = None  # bound: the engine, and the world size it was for
         self._pending, self._by_id = set(), {}
+        _register_elastic_handler()
 
-    quantize = property(lambda self: self._engine.quantize)
-    average = property(lambda self: self._engine.average)
-    step = property(lambda self: self._engine.step, doc="Completed steps.")
-    tracker = property(lambda self: self._engine.tracker)
+    quantize = property(lambda self: self._options["quantize"])
+    average = property(lambda self: self._options["average"])
+    step = property(lambda self: self._engine.step if self._engine else 0,
+                    doc="Completed steps.")
+    tracker = property(lambda self: self._engine.tracker if self._engine else None,
+                       doc="The mask tracker (``None`` until bound).")
     outstanding = property(lambda self: len(self._pending),
                            doc="Gradients of the current step compressed, not decompressed.")
 
     @property
     def stats(self):
-        return {name: self._engine.stats[name] for name in _STATS}
+        stats = self._engine.stats if self._engine else {}
+        return {name: stats.get(name, 0) for name in _STATS}
 
     @property
     def collectives(self):
+        if self._engine is None:
+            return HorovodCollectives()
         if self._engine.collectives is None:  # unpickled: Horovod state is the process's
             self._engine.collectives = HorovodCollectives()
         return self._engine.collectives
 
     def set_masks(self, masks):
-        """Replace the mask mapping; takes effect at the next verification. Collective."""
-        self._bound.masks = run_together(self.collectives, self._bound.resolve, masks)
+        """Replace the mask mapping; takes effect at the next verification. Collective once
+        bound (a bad mapping raises on every rank); before, checked when binding."""
+        if self._bound is None:
+            self._masks = masks
+        else:
+            self._bound.masks = run_together(self.collectives, self._bound.resolve, masks)
+
+    # ------------------------------------------------------------------ binding
+    def bind(self):
+        """Bind to the parameters, the masks and Horovod's current world: collective, on every
+        rank together (after ``hvd.init()``); bad masks raise RankInputError on every rank. The
+        first ``compress``, :meth:`state_dict` or :meth:`load_state_dict` binds when nobody
+        did, and so does an elastic reset (module docstring)."""
+        self._join()
+
+    def _join(self):
+        """Bind on every rank together to Horovod's current world, carrying the state of the
+        ranks that hold one by the rule in the module docstring."""
+        restart_names()  # ranks that just joined start their Horovod names from zero too
+        collectives = HorovodCollectives()
+        ensure_abort_on_error(self._abort_on_error, size=collectives.size)
+        error = engine = None
+        try:
+            if self._bound is None:
+                module = self._source
+                is_module = isinstance(module, torch.nn.Module)
+                named = list(module.named_parameters() if is_module else module)
+                self._bound = MaskBinding(named, self._masks, module if is_module else None)
+                self._names, self._params = self._bound.names, self._bound.params
+            engine = StepEngine(collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel())
+                                              for n, p in zip(self._names, self._params)],
+                                layout=self._describe(), word_dtype="int64", **self._options)
+        except (TypeError, ValueError) as exc:
+            self._bound = None
+            error = exc
+        raise_together(collectives, error)
+        held = None if self._engine is None else self._held_state()
+        infos = collectives.allgather_object(
+            held and dict(held, residuals={b: (r.dtype.str, r.size)
+                                           for b, r in held["residuals"].items()}))
+        self._pending, self._by_id = set(), {}
+        if any(infos):
+            state = self._carried(collectives, infos, held)
+            run_together(collectives, engine.loader, state, self._flat_masks(),
+                         errors=(TypeError, ValueError, KeyError))()
+        self._engine, self._world = engine, collectives.size
+
+    def _held_state(self):
+        """This rank's engine state, for the world size it was bound to."""
+        engine = self._engine
+        engine.collectives = engine.collectives or HorovodCollectives()  # unpickled
+        return dict(engine.state_dict(), world_size=self._world)
+
+    @staticmethod
+    def _carried(collectives, infos, held):
+        """The state every rank resumes from: the most advanced holders' (their tracker, step,
+        counters), with residuals re-laid unless the world is the same set of ranks."""
+        step = max(info["step"] for info in infos if info)
+        holders = [rank for rank, info in enumerate(infos) if info and info["step"] == step]
+        root = infos[holders[0]]
+        old = root["world_size"]
+        if old == collectives.size and len(holders) == old:
+            return dict(held, world_size=collectives.size)
+        mine = held["residuals"] if collectives.rank in holders else {}
+        residuals = {}
+        for bucket, (dtype, size) in root["residuals"].items():
+            total = np.zeros(size, dtype=np.float64)
+            if bucket in mine:
+                total += mine[bucket]
+            collectives.allreduce(total)
+            residuals[bucket] = (total / old).astype(dtype)
+        if residuals:
+            warnings.warn(f"Horovod elastic reset from {old} to {collectives.size} ranks "
+                          f"({len(holders)} of the {old} kept their state): every rank starts "
+                          f"from the sum of the kept error-feedback residuals divided by {old}",
+                          RuntimeWarning, stacklevel=4)
+        return dict(root, residuals=residuals, world_size=collectives.size)
 
     def _flat_masks(self):
         return [self._bound.flat(index) for index in range(len(self._params))]
@@ -147,6 +237,9 @@ class PacTrainCompressor:
     # ------------------------------------------------------------------ Horovod interface
     def compress(self, tensor):
         """Payload for Horovod to all-reduce, and the context :meth:`decompress` needs."""
+        if self._engine is None or world_size() != self._world:
+            self.reset_step()  # a step begun in the old world died with it
+            self._join()  # the first use, or Horovod's world changed (an elastic reset)
         error = index = None
         try:
             index = self._index_of(tensor)
@@ -219,8 +312,10 @@ class PacTrainCompressor:
 
     def state_dict(self):
         """Step, mask tracker, error-feedback residuals (host arrays by parameter name),
-        counters, and the bound parameters. Only between steps."""
+        counters, and the bound parameters. Only between steps; collective when it binds."""
         self._check_between_steps("state_dict")
+        if self._engine is None:
+            self._join()
         state = self._engine.state_dict()
         state["residuals"] = {self._names[b]: r for b, r in state["residuals"].items()}
         state["params"] = self._describe()
@@ -230,7 +325,10 @@ class PacTrainCompressor:
         """Restore :meth:`state_dict` output. Collective: fails on every rank together, leaving
         the compressor as it was, unless quantize mode, bound parameters and every mask's
         fingerprint match the checkpoint. Residuals are dropped (with a warning) at another
-        world size. Any step in progress is abandoned."""
+        world size (an elastic reset carries them by the module docstring's rule). Any step in
+        progress is abandoned."""
+        if self._engine is None:
+            self._join()
         apply = run_together(self.collectives, self._loader, state,
                              errors=(TypeError, ValueError, KeyError))
         self.reset_step()
@@ -252,3 +350,47 @@ class PacTrainCompressor:
         state = self.__dict__.copy()
         state["_by_id"] = {}  # tensor ids are process-local
         return state
+
+    # ------------------------------------------------------------------ Horovod elastic
+    def _snapshot(self):
+        """The engine's state at ``state.commit()`` (``None`` while unbound)."""
+        return None if self._engine is None else self._held_state()
+
+    def _rollback(self, snapshot):
+        """Back to :meth:`_snapshot` output, locally (Horovod is down when this runs)."""
+        self.reset_step()
+        if snapshot is None:
+            self._engine = None
+        else:
+            self._engine.loader(snapshot, self._flat_masks())()
+
+
+class _ElasticHandler:
+    """How ``hvd.elastic.TorchState`` keeps a :class:`PacTrainCompressor` (module docstring):
+    saved at ``commit()``, rolled back at ``restore()``, joined to the new world at ``sync()``.
+    Horovod's ``StateHandler`` protocol: ``value``, ``save``, ``restore``, ``sync``,
+    ``set_value``."""
+
+    def __init__(self, compressor):
+        self.set_value(compressor)
+
+    def set_value(self, compressor):
+        self.value = compressor
+        self.save()
+
+    def save(self):
+        self._saved = self.value._snapshot()
+
+    def restore(self):
+        self.value._rollback(self._saved)
+
+    def sync(self):
+        self.value._join()
+
+
+def _register_elastic_handler():
+    """Let ``hvd.elastic.TorchState(..., compression=compressor)`` carry the compressor."""
+    from horovod.torch.elastic import state
+    registry = state.get_handler_registry()
+    if all(kind is not PacTrainCompressor for kind, _ in registry):
+        state.set_handler_registry([*registry, (PacTrainCompressor, _ElasticHandler)])

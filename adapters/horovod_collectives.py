@@ -19,6 +19,18 @@ def _hvd():
     return hvd
 
 
+def restart_names():
+    """Start the name sequence over. After an elastic reset, ranks that just joined start from
+    zero while the others have counted on: every rank restarts at the same collective point."""
+    global _SEQUENCE
+    _SEQUENCE = itertools.count()
+
+
+def world_size():
+    """Horovod's current world size (it changes at an elastic reset)."""
+    return _hvd().size()
+
+
 def summable(tensor):
     """``tensor`` in a dtype Horovod can sum: bfloat16 as a float32 copy (Horovod 0.28.1 has no
     bfloat16 all-reduce, horovod#4047; float32 holds every bfloat16 exactly, so the sum is

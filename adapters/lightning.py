@@ -10,12 +10,17 @@ not. It also keeps pruned weights and optimizer state at exactly 0 after every o
 (:class:`pacmpi.adapters.pruning.MaskEnforcer`), and carries the state's
 :meth:`~pacmpi.adapters.ddp.PacTrainHookState.state_dict` in Lightning's checkpoints
 (``ModelCheckpoint``, ``trainer.save_checkpoint``; restored by ``fit(ckpt_path=...)``), with
-every rank's error-feedback residuals: Lightning writes rank 0's checkpoint only.
+every rank's error-feedback residuals: Lightning writes rank 0's checkpoint only. Resumed at
+another world size, every rank starts from their mean over the old ranks, the rule of
+:mod:`pacmpi.adapters.checkpoint`.
 """
+import warnings
+
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
+from pacmpi.adapters.checkpoint import mean_residuals
 from pacmpi.adapters.ddp import pactrain_hook
 from pacmpi.adapters.pruning import MaskEnforcer
 
@@ -54,8 +59,17 @@ class PacTrainCallback(Callback):
         return dict(state, residuals=self.state.collectives.allgather_object(mine))
 
     def load_state_dict(self, state_dict):
-        ranks, collectives = state_dict["residuals"], self.state.collectives
-        # At another world size the engine drops the residuals, with a warning.
-        mine = ranks[collectives.rank] if len(ranks) == collectives.size else ranks[0]
-        self.state.load_state_dict(dict(state_dict, residuals={
-            name: values.numpy() for name, values in mine.items()}))
+        collectives = self.state.collectives
+        ranks = [{name: values.numpy() for name, values in part.items()}
+                 for part in state_dict["residuals"]]
+        if len(ranks) == collectives.size:
+            residuals = ranks[collectives.rank]
+        else:  # the rule of pacmpi.adapters.checkpoint: the mean over the old ranks
+            residuals = mean_residuals(ranks)
+            if residuals:
+                warnings.warn(f"resuming at world size {collectives.size} from a checkpoint "
+                              f"taken at {len(ranks)}: each rank starts from the mean of the "
+                              f"{len(ranks)} ranks' error-feedback residuals "
+                              f"({len(residuals)} arrays)", RuntimeWarning, stacklevel=2)
+        self.state.load_state_dict(dict(state_dict, residuals=residuals,
+                                        world_size=collectives.size))

@@ -576,7 +576,7 @@ class MaskEnforcer:
         self._model = model
         self._entries: OrderedDict[
             str, tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._optimizers: list = []
+        self._optimizers: list = []  # (optimizer, its step hook's handle)
         self._grad_hooks: list = []
         self.update(masks)
 
@@ -608,7 +608,7 @@ class MaskEnforcer:
             entries[name] = (slot.param, keep, ~keep)  # ~keep cached: used every step
         self._entries = entries
         self.apply_to_weights()
-        for optimizer in self._optimizers:
+        for optimizer, _ in self._optimizers:
             self._zero_state(optimizer)
         if self._grad_hooks:
             self.remove_grad_hooks()
@@ -648,12 +648,16 @@ class MaskEnforcer:
 
         Needed because momentum buffers and (decoupled) weight decay built before the
         masks existed, or fed by unmasked gradients, would resurrect pruned weights. The
-        current state is zeroed immediately. Returns the hook's removable handle.
+        current state is zeroed immediately. Returns the hook's removable handle (the same one
+        when the optimizer was attached before: the hook runs once per step).
         """
-        if all(optimizer is not known for known in self._optimizers):
-            self._optimizers.append(optimizer)
         self._zero_state(optimizer)
-        return optimizer.register_step_post_hook(self._after_step)
+        for known, handle in self._optimizers:
+            if known is optimizer:
+                return handle
+        handle = optimizer.register_step_post_hook(self._after_step)
+        self._optimizers.append((optimizer, handle))
+        return handle
 
     def register_grad_hooks(self) -> list:
         """Mask each gradient right after it is accumulated into ``.grad``

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from pacmpi.bench import harness
-from pacmpi.bench.harness import format_spread, overlap, spread
+from pacmpi.bench.harness import comma_list, format_spread, overlap, spread
 from pacmpi.experiments.bench_train import FULL, derive, merge_reports, run_benchmark
 
 __all__ = ["DEFAULT_METHODS", "main"]
@@ -142,16 +142,12 @@ def write_bias_plots(report, table, out_dir, prefix="bench_bias"):
     return paths
 
 
-def _words(text):
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def build_parser():
     parser = argparse.ArgumentParser(prog="pacmpi bench bias", description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", type=_words, default=DEFAULT_METHODS,
+    parser.add_argument("--methods", type=comma_list(), default=DEFAULT_METHODS,
                         help="pacmpi bench train labels (default " + ",".join(DEFAULT_METHODS)
                         + ")")
-    parser.add_argument("--seeds", type=lambda t: tuple(int(x) for x in _words(t)),
+    parser.add_argument("--seeds", type=comma_list(int),
                         default=(0, 1, 2))
     for key in ("ranks", "epochs", "width", "pretrain_epochs"):
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=FULL[key])
@@ -160,7 +156,7 @@ def build_parser():
     parser.add_argument("--cache-dir", default=None, help="pretrained-model cache")
     parser.add_argument("--out-dir", default="results")
     parser.add_argument("--json", default=None, help="default OUT_DIR/bench_bias.json")
-    parser.add_argument("--merge", type=_words, default=None, metavar="JSON,JSON",
+    parser.add_argument("--merge", type=comma_list(), default=None, metavar="JSON,JSON",
                         help="join earlier runs (other seeds or methods) into --json instead "
                              "of running")
     parser.add_argument("--no-plots", action="store_true")

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from pacmpi.bench import harness
-from pacmpi.bench.harness import format_spread, format_value, overlap, spread
+from pacmpi.bench.harness import comma_list, format_spread, format_value, overlap, spread
 from pacmpi.launch import CalibrationError, TestbedError, run_command
 from pacmpi.methods import METHODS, canonical_name
 
@@ -912,16 +912,7 @@ def write_plots(report, out_dir, prefix="bench_train"):
 
 
 # ---------------------------------------------------------------------------------- CLI
-def _floats(text):
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _ints(text):
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _words(text):
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+_words = comma_list()
 
 
 def _methods(text):
@@ -943,7 +934,7 @@ def build_parser(parser=None):
                              "(default "  # argparse %-formats help texts
                              + ",".join(DEFAULT_METHODS).replace("%", "%%") + "; preset ddp = "
                              + ",".join(DDP_METHODS) + ", run under torchrun)")
-    parser.add_argument("--sweep-ratios", type=_floats, default=None,
+    parser.add_argument("--sweep-ratios", type=comma_list(float), default=None,
                         help="pruning ratios for accuracy vs ratio; '' = none "
                              f"(default {','.join(map(str, DEFAULT_SWEEP))})")
     parser.add_argument("--no-sweep", action="store_true",
@@ -975,7 +966,7 @@ def build_parser(parser=None):
                         help="refuse a rate whose calibration is this far off nominal")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per training job")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=_ints, default=None,
+    parser.add_argument("--seeds", type=comma_list(int), default=None,
                         help="run everything once per seed, e.g. 0,1,2; the JSON keeps every "
                              "run and adds median and range over seeds (default: --seed)")
     parser.add_argument("--prune-method", choices=("magnitude", "grasp"), default="magnitude",

@@ -29,7 +29,8 @@ RUN_BY = {"raw-loop": "test_readme", "horovod": "test_readme", "ddp": "test_read
           "quick-start": "test_quick_start_command_runs_as_written",
           "torchrun": "test_quick_start_torchrun_command_runs_as_written",
           "accelerate": "test_accelerate_snippet", "hf-trainer": "test_trainer_snippet",
-          "elastic": "test_snippet_restarts_and_finishes"}
+          "elastic": "test_snippet_restarts_and_finishes",
+          "horovod-elastic": "test_snippet_survives_a_lost_worker"}
 
 
 def build_site(config, site_dir):

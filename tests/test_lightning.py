@@ -8,7 +8,8 @@ dense bytes. Both: pruned weights exactly 0, ranks bit-identical. without_callba
 control): Lightning drops the hook on CPU; without the callback pruned weights revive. resume:
 ModelCheckpoint + ``fit(ckpt_path=)`` continues bit for bit (lossless and ternary), the
 checkpoint loads with ``weights_only=True``, and one without pacmpi's state resumes to other
-weights.
+weights. resume_at_another_world_size: residuals of 3 old ranks load as their mean, with a
+warning; at the same world size each rank keeps its own.
 
 The page's snippet (docs/trainers/lightning.md) runs as ``python train.py``: Lightning's own
 launcher starts the second rank. A strategy without DDP is refused, naming it.

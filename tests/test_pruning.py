@@ -221,6 +221,24 @@ def test_grasp_pruned_model_still_trains(digits, batches):
     assert_pruned_zero(enforcer.parameters, masks)
 
 
+def test_attaching_an_optimizer_twice_hooks_it_once():
+    """The second attach returns the first handle; removing it leaves no hook behind, so an
+    unmasked gradient then moves pruned weights (the control: before, the hook zeroed them)."""
+    layer = nn.Linear(6, 4)
+    masks = {"weight": torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) < 0.5}
+    enforcer = MaskEnforcer(layer, masks)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    handle = enforcer.attach(optimizer)
+    assert enforcer.attach(optimizer) is handle
+    for hooked in (True, False):
+        optimizer.zero_grad()
+        layer(torch.ones(3, 6)).sum().backward()  # no apply_to_grads: pruned coordinates move
+        optimizer.step()
+        pruned = layer.weight.detach()[~masks["weight"]]
+        assert bool(torch.all(pruned == 0)) == hooked
+        handle.remove()
+
+
 # ---------------------------------------------------------------- gradient sparsity enforcement
 OPTIMIZERS = {
     "sgd_momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4),

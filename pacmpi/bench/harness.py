@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
-__all__ = ["Timing", "time_op", "spread", "overlap", "format_spread", "format_value",
+__all__ = ["Timing", "comma_list", "time_op", "spread", "overlap", "format_spread", "format_value",
            "format_table", "environment", "write_report"]
 
 
@@ -56,6 +56,14 @@ class Timing:
     @property
     def max(self):
         return max(self.seconds)
+
+
+def comma_list(kind=str):
+    """An argparse ``type=`` for comma-separated values: ``"a, b,"`` -> ``(kind("a"),
+    kind("b"))`` (blanks and empty items dropped)."""
+    def parse(text):
+        return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+    return parse
 
 
 def time_op(fn, iters, *, warmup=0, setup=None, sync=None, collectives=None):

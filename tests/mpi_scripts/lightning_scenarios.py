@@ -9,9 +9,11 @@ run must equal the uninterrupted one bit for bit (lossless and ternary).
 """
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -160,3 +162,26 @@ def test_resume():
     fit(bare, PacTrainHookState(bare, masks(), quantize="ternary"), ckpt_path=folder / "bare.ckpt")
     assert not all(map(torch.equal, weights(bare), weights(whole)))
 
+
+
+def test_resume_at_another_world_size():
+    """test_resume's ternary checkpoint with a third rank's residuals added, as a 3-rank run
+    would have written it: loaded here, every rank starts from the mean of the three (the rule
+    of pacmpi.adapters.checkpoint) and says so; at this world size each keeps its own."""
+    saved = torch.load(WORKDIR / "resume-ternary" / "pac.ckpt", weights_only=True)
+    pac = saved["callbacks"]["PacTrainCallback"]
+    old = [*pac["residuals"], {name: 3 * r for name, r in pac["residuals"][0].items()}]
+    for ranks, want in ((old, {name: ((old[0][name].double() + old[1][name].double()
+                                       + old[2][name].double()) / 3).float() for name in old[0]}),
+                        (pac["residuals"], pac["residuals"][dist.get_rank()])):
+        state = PacTrainHookState(Fit(), masks(), quantize="ternary")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PacTrainCallback(state).load_state_dict(dict(pac, residuals=ranks))
+        said = [str(w.message) for w in caught if "world size" in str(w.message)]
+        assert len(said) == (len(ranks) != SIZE), said
+        got = state.state_dict()["residuals"]
+        assert want and got.keys() == want.keys(), (got.keys(), want.keys())
+        for name, values in want.items():
+            assert np.array_equal(got[name], values.numpy()), name
+        assert state.step == pac["step"]
