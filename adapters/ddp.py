@@ -224,15 +224,17 @@ class PacTrainHookState:
 
     # ------------------------------------------------------------------ checkpoints, pickling
     def state_dict(self):
-        """Step, mask tracker, error-feedback residuals (host arrays by parameter name),
-        counters and the parameters' (name, shape, dtype). Between steps only; before the
-        first step it binds (collective)."""
+        """Step, mask tracker, error-feedback residuals (CPU tensors by parameter name, so
+        ``torch.load``'s default ``weights_only=True`` reads a saved copy), counters and the
+        parameters' (name, shape, dtype). Between steps only; before the first step it binds
+        (collective)."""
         if self._params is None:
             self.bind()
         if self._current is not None:
             raise RuntimeError("PacTrainHookState.state_dict() during a step")
         state = self.engine.state_dict()
-        state["residuals"] = {self._names[b]: r for b, r in state["residuals"].items()}
+        state["residuals"] = {self._names[b]: torch.from_numpy(r)
+                              for b, r in state["residuals"].items()}
         return dict(state, params=self._specs)
 
     def load_state_dict(self, state):

@@ -311,13 +311,15 @@ class PacTrainCompressor:
                                "optimizer steps (or reset_step() first)")
 
     def state_dict(self):
-        """Step, mask tracker, error-feedback residuals (host arrays by parameter name),
-        counters, and the bound parameters. Only between steps; collective when it binds."""
+        """Step, mask tracker, error-feedback residuals (CPU tensors by parameter name, so
+        ``torch.load``'s default ``weights_only=True`` reads a saved copy), counters, and the
+        bound parameters. Only between steps; collective when it binds."""
         self._check_between_steps("state_dict")
         if self._engine is None:
             self._join()
         state = self._engine.state_dict()
-        state["residuals"] = {self._names[b]: r for b, r in state["residuals"].items()}
+        state["residuals"] = {self._names[b]: torch.from_numpy(r)
+                              for b, r in state["residuals"].items()}
         state["params"] = self._describe()
         return state
 

@@ -16,7 +16,6 @@ another world size, every rank starts from their mean over the old ranks, the ru
 """
 import warnings
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
@@ -52,11 +51,8 @@ class PacTrainCallback(Callback):
 
     def state_dict(self):
         state = self.state.state_dict()
-        # Residuals are each rank's own, and Lightning writes rank 0's checkpoint: gather them
-        # all (as tensors: Lightning loads with torch.load's default weights_only=True, which
-        # refuses NumPy arrays).
-        mine = {name: torch.from_numpy(values) for name, values in state["residuals"].items()}
-        return dict(state, residuals=self.state.collectives.allgather_object(mine))
+        # Residuals are each rank's own, and Lightning writes rank 0's checkpoint: gather them.
+        return dict(state, residuals=self.state.collectives.allgather_object(state["residuals"]))
 
     def load_state_dict(self, state_dict):
         collectives = self.state.collectives

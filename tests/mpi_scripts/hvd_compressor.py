@@ -338,7 +338,7 @@ def resumed(masks_at, how, op=hvd.Average, **kw):
         torch.save({"model": first.model.state_dict(),
                     "compressor": first.compressor.state_dict()}, blob)
         blob.seek(0)
-        saved = torch.load(blob, weights_only=False)
+        saved = torch.load(blob)  # the default, weights_only=True: tensors and plain types only
         run = Run(masks_at, "pactrain", op=op, **kw)
         run.model.load_state_dict(saved["model"])
         run.use_masks(CHECKPOINT_AT - 1)  # the masks the checkpoint last verified
