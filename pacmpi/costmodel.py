@@ -20,7 +20,7 @@ links of ``B`` bytes/s it takes::
   ``4 n / w`` (one comparison pass over the mask; ternary steps also compute scales there),
   each multiplied by ``ranks on a host / its cores`` when ranks share cores (the test bed);
 - ``a`` and ``eta`` per topology (see :data:`DEFAULT_FIT`); the model is the ring's, which
-  ``pacmpi bench allreduce --link`` pins.
+  ``pacmpi-run --link/--nodes`` pins for every job (``pacmpi bench allreduce`` records it).
 
 :func:`calibrate` fits the codec and verify throughputs to their measured columns and ``a``,
 ``eta`` to the rest of the step times of ``pacmpi bench allreduce --link RATE --json`` files;
@@ -221,8 +221,8 @@ def _points(documents):
             # On the star bed Open MPI's default choice took 1.73x the ring's time for the
             # same bytes; the model is the ring's, so such a run would only measure the choice.
             raise ValueError(f"{source}: star run with all-reduce algorithm {algorithm!r}, not "
-                             f"the ring the model describes; rerun `pacmpi bench allreduce "
-                             f"--link RATE` (which pins the ring)")
+                             f"the ring the model describes; rerun it under `pacmpi-run --link "
+                             f"RATE` (which pins the ring)")
         for row in doc["rows"]:
             values, kept, buckets = workload(model=doc["model"], density=row["density"])
             points.append({
