@@ -56,10 +56,11 @@ _NAME_LEN = 256
 
 
 def control_variable(MPI, name):
-    """``(value, item)`` of the integer or boolean MPI_T control variable ``name`` as the MPI
-    library itself sees it (after ``MPI_Init``: the value it read from ``--mca``, the
-    environment or its parameter files), ``item`` the name of its enum value (``None`` when it
-    is no enum); ``None`` when the library has no such variable. mpi4py wraps no MPI_T."""
+    """``(value, item)`` of the MPI_T control variable ``name`` as the MPI library itself sees
+    it (after ``MPI_Init``: the value it read from ``--mca``, the environment or its parameter
+    files): an int (a boolean as 0/1) and the name of its enum value (``None`` when it is no
+    enum), or a string and ``None``; ``None`` when the library has no such variable. mpi4py
+    wraps no MPI_T."""
     provided = ctypes.c_int()
     if function(MPI, "MPI_T_init_thread")(0, ctypes.byref(provided)) != 0:
         raise RuntimeError("MPI_T_init_thread failed")
@@ -67,21 +68,28 @@ def control_variable(MPI, name):
         index = ctypes.c_int()
         if function(MPI, "MPI_T_cvar_get_index")(name.encode(), ctypes.byref(index)) != 0:
             return None
+        datatype, enumtype = _cvar_types(MPI, index)
         handle, count = ctypes.c_void_p(), ctypes.c_int()
         if function(MPI, "MPI_T_cvar_handle_alloc")(index, None, ctypes.byref(handle),
                                                     ctypes.byref(count)) != 0:
             raise RuntimeError(f"MPI_T_cvar_handle_alloc({name}) failed")
-        value = ctypes.c_int64(0)  # zeroed: a boolean fills only its first byte
-        function(MPI, "MPI_T_cvar_read")(handle, ctypes.byref(value))
-        function(MPI, "MPI_T_cvar_handle_free")(ctypes.byref(handle))
+        try:
+            if datatype == MPI._handleof(MPI.CHAR):
+                text = ctypes.create_string_buffer(max(count.value, 1))
+                function(MPI, "MPI_T_cvar_read")(handle, text)
+                return text.value.decode(), None
+            value = ctypes.c_int64(0)  # zeroed: a boolean fills only its first byte
+            function(MPI, "MPI_T_cvar_read")(handle, ctypes.byref(value))
+        finally:
+            function(MPI, "MPI_T_cvar_handle_free")(ctypes.byref(handle))
         value = ctypes.c_int(value.value & 0xFFFFFFFF).value  # an int fills 4 bytes
-        return value, _enum_item(MPI, index, value)
+        return value, _enum_item(MPI, enumtype, value)
     finally:
         function(MPI, "MPI_T_finalize")()
 
 
-def _enum_item(MPI, index, value):
-    """The name of ``value`` in control variable ``index``'s enum, or ``None``."""
+def _cvar_types(MPI, index):
+    """``(datatype handle, enum handle)`` of control variable ``index``."""
     texts = [ctypes.create_string_buffer(_NAME_LEN) for _ in range(2)]
     lengths = [ctypes.c_int(_NAME_LEN) for _ in range(2)]
     verbosity, bind, scope = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
@@ -90,15 +98,21 @@ def _enum_item(MPI, index, value):
         index, texts[0], ctypes.byref(lengths[0]), ctypes.byref(verbosity),
         ctypes.byref(datatype), ctypes.byref(enumtype), texts[1], ctypes.byref(lengths[1]),
         ctypes.byref(bind), ctypes.byref(scope))
+    return datatype.value or 0, enumtype
+
+
+def _enum_item(MPI, enumtype, value):
+    """The name of ``value`` in enum ``enumtype``, or ``None`` (no enum, or not in it)."""
     if not enumtype.value:  # MPI_T_ENUM_NULL
         return None
+    text = ctypes.create_string_buffer(_NAME_LEN)
     items, length = ctypes.c_int(), ctypes.c_int(_NAME_LEN)
-    function(MPI, "MPI_T_enum_get_info")(enumtype, ctypes.byref(items), texts[0],
+    function(MPI, "MPI_T_enum_get_info")(enumtype, ctypes.byref(items), text,
                                          ctypes.byref(length))
     for item in range(items.value):
         number, length = ctypes.c_int(), ctypes.c_int(_NAME_LEN)
-        function(MPI, "MPI_T_enum_get_item")(enumtype, item, ctypes.byref(number), texts[0],
+        function(MPI, "MPI_T_enum_get_item")(enumtype, item, ctypes.byref(number), text,
                                              ctypes.byref(length))
         if number.value == value:
-            return texts[0].value.decode()
+            return text.value.decode()
     return None
