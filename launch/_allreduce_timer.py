@@ -13,15 +13,29 @@ import json
 import sys
 
 import numpy as np
-from mpi4py import MPI
-
-from pacmpi.bench import harness
-from pacmpi.collectives import MPICollectives, allreduce_algorithm
 
 MARK = "PACMPI_TUNE "
 
 
+def command(sizes, iters, warmup):
+    """The worker's argv (run it on the ranks)."""
+    return [sys.executable, "-m", "pacmpi.launch._allreduce_timer", str(iters), str(warmup),
+            *map(str, sizes)]
+
+
+def report(stdout):
+    """Rank 0's report in the job's ``stdout`` (a dict), or ``None``."""
+    lines = [line.split(MARK, 1)[1] for line in stdout.splitlines() if MARK in line]
+    return json.loads(lines[-1]) if lines else None
+
+
 def main(argv):
+    # Imported here: importing mpi4py.MPI initializes MPI, which only the ranks may do.
+    from mpi4py import MPI
+
+    from pacmpi.bench import harness
+    from pacmpi.collectives import MPICollectives, allreduce_algorithm
+
     iters, warmup, sizes = int(argv[1]), int(argv[2]), [int(a) for a in argv[3:]]
     comm = MPI.COMM_WORLD
     collectives = MPICollectives(comm=comm)

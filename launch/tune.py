@@ -16,7 +16,6 @@ Why a command of its own and not ``pacmpi doctor``: the doctor answers in second
 this starts one job per algorithm and measures.
 """
 import argparse
-import json
 import math
 import shlex
 import subprocess
@@ -31,6 +30,7 @@ from pacmpi.buckets import BucketLayout
 from pacmpi.costmodel import tensors
 from pacmpi.units import parse_size
 
+from ._allreduce_timer import command, report
 from .mpi import MPICH, OPENMPI, detect_mpi
 from .runner import run_command
 from .testbed import CalibrationError, TestbedError
@@ -127,23 +127,19 @@ def rules_file(winners, ranks):
     return "\n".join(["1", str(_ALLREDUCE_ID), "1", str(ranks), str(len(rules)), *rules]) + "\n"
 
 
-def _job(argv, n, env, args):
-    """Run ``argv`` on ``n`` ranks as ``pacmpi-run`` would, with ``env``; the worker's JSON."""
-    result = run_command(argv, n, link=args.link, nodes=args.nodes, env=list(env),
-                         calibrate=False, capture=True, echo=False, timeout=args.timeout,
-                         mpirun=args.mpirun, tag_output=False, allreduce="default",
-                         oversubscribe=args.oversubscribe, hostfile=args.hostfile)
-    lines = [line.split("PACMPI_TUNE ", 1)[1] for line in result.stdout.splitlines()
-             if "PACMPI_TUNE " in line]
-    if result.returncode != 0 or not lines:
+def _job(sizes, iters, warmup, n, env, args):
+    """Time ``sizes`` on ``n`` ranks as ``pacmpi-run`` would start them, with ``env``; the
+    worker's report."""
+    result = run_command(command(sizes, iters, warmup), n, link=args.link, nodes=args.nodes,
+                         env=list(env), calibrate=False, capture=True, echo=False,
+                         timeout=args.timeout, mpirun=args.mpirun, tag_output=False,
+                         allreduce="default", oversubscribe=args.oversubscribe,
+                         hostfile=args.hostfile)
+    measured = report(result.stdout)
+    if result.returncode != 0 or measured is None:
         raise RuntimeError(f"{' '.join(env)}: the job failed (exit status {result.returncode})"
                            f": {(result.stderr or result.stdout).strip()[-1500:]}")
-    return json.loads(lines[-1])
-
-
-def _worker(sizes, iters, warmup):
-    return [sys.executable, "-m", "pacmpi.launch._allreduce_timer", str(iters), str(warmup),
-            *map(str, sizes)]
+    return measured
 
 
 def _size(nbytes):
@@ -199,7 +195,7 @@ def _tune(args):
     chosen = args.algorithms.split(",") if args.algorithms else None
     runs = []
     for candidate in candidates(flavor, chosen):
-        measured = _job(_worker(sizes, args.iters, args.warmup), args.np, candidate.env, args)
+        measured = _job(sizes, args.iters, args.warmup, args.np, candidate.env, args)
         if flavor.kind == OPENMPI and measured["ran"] != candidate.name:
             raise RuntimeError(f"told {' '.join(candidate.env)}, the library ran "
                                f"{measured['ran']!r}")
@@ -221,7 +217,7 @@ def _tune(args):
     print("#wrong: " + (", ".join(f"{k} {v}" for k, v in wrong.items() if v) or "0 everywhere"))
     env = _recommend(winners, runs, args, flavor)
     # The printed lines, exactly, in a fresh job: what does the library say it runs?
-    check = _job(_worker(sizes, 1, 0), args.np, env, args)
+    check = _job(sizes, 1, 0, args.np, env, args)
     if sum(row["wrong"] for row in check["rows"]):
         raise RuntimeError(f"with {' '.join(env)} the sums came out wrong")
     print(f"checked: a fresh {args.np}-rank job with these lines ran "
