@@ -276,7 +276,8 @@ def predict(fit, *, ranks, link, method, density=1.0, model=None, nbytes=None, n
                      codec=codec)
     method = lookup_method(method).name
     if method in ALLREDUCE_METHODS:
-        mine = step_seconds(fit, method=method, hierarchical=hierarchical, **allreduce)
+        mine = dict(step_seconds(fit, method=method, hierarchical=hierarchical, **allreduce),
+                    collective="allreduce")
     else:
         if hierarchical:
             raise ValueError(f"hierarchical reduction is pacmpi's; {method} is modelled flat")
@@ -527,7 +528,7 @@ def format_comparison(rows):
         name = row["method"] + (" (hier.)" if row["hierarchical"] else "")
         codec = ("n/a" if row["codec_s"] is None else
                  f"{row['codec_s'] + row['verify_s'] + row['intra_s']:.4f}")
-        lines.append(f"{name:<24} {row['setting']:<12} {row.get('collective', 'allreduce'):>10} "
+        lines.append(f"{name:<24} {row['setting']:<12} {row['collective']:>10} "
                      f"{row['seconds']:>9.4f} {row['network_s']:>9.4f} {row['latency_s']:>9.4f} "
                      f"{codec:>9} {row['wire_bytes']:>13,} {row['speedup_vs_dense']:>8.2f}")
     best = rows[0]
