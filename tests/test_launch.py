@@ -809,6 +809,24 @@ def test_the_job_on_the_link_runs_the_ring_unless_told_otherwise():
         assert [(line["algorithm"], line["exact"]) for line in lines] == [(expected, True)] * 2
 
 
+ENV_PROBE = ("import os; print('PIN', os.environ.get('OMPI_MCA_coll_tuned_use_dynamic_rules'), "
+             "os.environ.get('OMPI_MCA_coll_tuned_allreduce_algorithm'), flush=True)")
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["horovod", "torchrun"])
+def test_the_pin_reaches_horovodrun_and_torchrun_workers(launcher):
+    # Their own all-reduce is Gloo's; the variables still reach every worker, one spelling for
+    # every launcher.
+    result = run_command([PY, "-c", ENV_PROBE], 2, link="1gbit", calibrate=False, capture=True,
+                         echo=False, timeout=90, **{launcher: True})
+    assert result.returncode == 0, result.stderr[-3000:]
+    pins = [line.split("PIN ", 1)[1] for line in result.stdout.splitlines() if "PIN " in line]
+    assert pins == ["1 4", "1 4"], result.stdout
+
+
 @needs_testbed
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
