@@ -11,6 +11,7 @@
 - :mod:`.runner`: :func:`run_command`, the Python API behind the CLI.
 - :mod:`.failure`: name the failed rank from the launcher's report.
 - :mod:`.doctor`: ``pacmpi doctor``, what works here and what does not.
+- :mod:`.tune`: ``pacmpi tune``, which MPI all-reduce algorithm is fastest at which size.
 - :mod:`.cli`: ``pacmpi-run``. Multi-node (Slurm, CUDA-aware MPI): see ``docs/testbed.md``
   and ``launch/slurm/pacmpi.sbatch``.
 """

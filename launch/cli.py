@@ -24,7 +24,7 @@ import shlex
 import sys
 
 from ._signals import unwind_on_signals
-from .mpi import MPIDetectionError
+from .mpi import ALLREDUCE_CHOICES, MPIDetectionError
 from .runner import run_command
 from .testbed import CalibrationError, TestbedError
 
@@ -61,6 +61,11 @@ def build_parser():
     parser.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
                         help="forward (NAME) or set (NAME=VALUE) an environment variable on all "
                              "ranks; repeatable")
+    parser.add_argument("--allreduce-algorithm", choices=ALLREDUCE_CHOICES, default="auto",
+                        help="the job's MPI all-reduce: 'auto' (default) pins the ring the test "
+                             "bed's calibration measures on every rank (with --link/--nodes, "
+                             "unless -x or the environment already set the algorithm), 'ring' "
+                             "pins it anywhere, 'default' leaves it to the MPI library")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="with --link, skip the link calibration")
@@ -103,7 +108,8 @@ def main(argv=None):
                                  torchrun=args.torchrun,
                                  oversubscribe=args.oversubscribe, hostfile=args.hostfile,
                                  env=args.env, calibrate=not args.no_calibrate,
-                                 timeout=args.timeout, dry_run=args.dry_run, mpirun=args.mpirun)
+                                 timeout=args.timeout, dry_run=args.dry_run, mpirun=args.mpirun,
+                                 allreduce=args.allreduce_algorithm)
     except CalibrationError as exc:
         print(f"pacmpi-run: {exc}", file=sys.stderr)
         return CALIBRATION_EXIT

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from .launchers import find_launcher
 
 __all__ = ["MPIFlavor", "MPIDetectionError", "detect_mpi", "build_mpirun_command",
-           "build_horovodrun_command", "build_torchrun_command", "ring_allreduce_settings"]
+           "build_horovodrun_command", "build_torchrun_command", "ring_allreduce_env",
+           "allreduce_pin", "ALLREDUCE_CHOICES"]
 
 OPENMPI, MPICH, INTEL = "openmpi", "mpich", "intel"
 
@@ -193,19 +194,91 @@ _NO_SHM_ENV = {
 }
 
 
-def ring_allreduce_settings(flavor):
-    """Return ``(extra_mca, env_entries)`` that force the ring all-reduce, or ``({}, [])``.
+ALLREDUCE_CHOICES = ("auto", "ring", "default")
 
-    The calibration's link model assumes every rank sends 2(n-1)/n of the buffer; Open MPI's
-    default choice for 3 ranks moved more bytes than that (measured: 88% of nominal instead
-    of 99%), so calibration pins the ring. Intel MPI has no documented stable id for it; its
-    default is used and the calibration's tolerance check catches a mismatch.
+# The settings by which a job chooses its all-reduce algorithm, as environment variables (Open
+# MPI reads OMPI_MCA_<param> like --mca <param>): one of them set by the user means the choice
+# is theirs.
+_ALGORITHM_SETTINGS = {
+    OPENMPI: ("OMPI_MCA_coll_tuned_use_dynamic_rules", "OMPI_MCA_coll_tuned_allreduce_algorithm",
+              "OMPI_MCA_coll_tuned_dynamic_rules_filename"),
+    MPICH: ("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM",),
+}
+
+
+def ring_allreduce_env(flavor):
+    """``NAME=VALUE`` entries that make every rank run the ring all-reduce, or ``[]``.
+
+    The test bed's link model assumes every rank sends 2(n-1)/n of the buffer, which is the
+    ring's traffic; Open MPI's default choice moved more for 3 ranks (88% of nominal instead
+    of 99%) and took 1.73x as long on the star bed. Environment variables, not ``--mca``
+    flags: they reach the ranks under every launcher (``mpirun -x``, torchrun's and
+    horovodrun's inherited environment, the node test bed's remote daemons). Intel MPI has no
+    documented stable id for the ring; its default is used and the calibration's tolerance
+    check catches a mismatch.
     """
     if flavor.kind == OPENMPI:
-        return {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}, []
+        return ["OMPI_MCA_coll_tuned_use_dynamic_rules=1",
+                "OMPI_MCA_coll_tuned_allreduce_algorithm=4"]
     if flavor.kind == MPICH:
-        return {}, ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
-    return {}, []
+        return ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
+    return []
+
+
+def users_allreduce_setting(flavor, env_entries=(), extra_mca=None, environ=None):
+    """How the user chose the all-reduce algorithm themselves, as they spelled it
+    (``"-x OMPI_MCA_coll_tuned_allreduce_algorithm=2"``, ``"--mca ..."``, ``"$NAME=VALUE in the
+    environment"``), or ``None``: a ``-x`` entry, an MCA parameter, or a variable already in
+    ``environ`` (``os.environ``: the launchers pass it on to the ranks)."""
+    names = _ALGORITHM_SETTINGS.get(flavor.kind, ())
+    for entry in env_entries:
+        if entry.partition("=")[0] in names:
+            return f"-x {entry}"
+    for key, value in (extra_mca or {}).items():
+        if f"OMPI_MCA_{key}" in names:
+            return f"--mca {key} {value}"
+    environ = os.environ if environ is None else environ
+    for name in names:
+        if name in environ:
+            return f"${name}={environ[name]} in the environment"
+    return None
+
+
+def allreduce_pin(flavor, choice, *, testbed, env_entries=(), extra_mca=None, environ=None):
+    """``(entries, note)``: the ``NAME=VALUE`` entries to add to every rank's environment for
+    the all-reduce ``choice`` (one of :data:`ALLREDUCE_CHOICES`) and a line saying why.
+
+    ``"auto"``: the ring on the test bed (what its calibration measured), unless the user chose
+    an algorithm (:func:`users_allreduce_setting`), which then wins; nothing off the test bed.
+    ``"ring"``: the ring, also off the test bed; a conflicting setting of the user's is an
+    error. ``"default"``: nothing, the MPI library chooses. ``flavor`` ``None``: no MPI found
+    (a torchrun or horovodrun job), nothing to pin.
+    """
+    if choice not in ALLREDUCE_CHOICES:
+        raise ValueError(f"all-reduce algorithm {choice!r}: choose one of "
+                         f"{', '.join(ALLREDUCE_CHOICES)}")
+    if flavor is None or choice == "default" or (choice == "auto" and not testbed):
+        if choice == "default" and testbed:
+            return [], ("--allreduce-algorithm default: the MPI library chooses the job's "
+                        "all-reduce; the calibration measured the ring")
+        return [], None
+    users = users_allreduce_setting(flavor, env_entries, extra_mca, environ)
+    ring = ring_allreduce_env(flavor)
+    if choice == "ring" and (users or not ring):
+        raise ValueError(f"--allreduce-algorithm ring conflicts with your {users}; drop one"
+                         if users else
+                         f"--allreduce-algorithm ring: no known setting selects the ring in "
+                         f"{flavor.name}")
+    if users:
+        return [], (f"the all-reduce algorithm is yours ({users}): no ring pin, though the "
+                    "calibration measured the ring")
+    if not ring:
+        return [], (f"{flavor.name} has no known setting for the ring all-reduce: the job "
+                    "runs its default, the calibration checks the link")
+    why = ("the test bed's calibration measured the ring all-reduce" if testbed else
+           "--allreduce-algorithm ring")
+    return ring, (f"{why}: every rank gets {' '.join(ring)} (--allreduce-algorithm default "
+                  f"leaves the choice to {flavor.name})")
 
 
 def build_horovodrun_command(n, argv, *, gloo=True, hosts=None, network_interface=None,

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 from ._signals import signals_held, unwind_on_signals
 from .failure import RankFailure, describe_failure, parse_rank_failure
-from .launchers import find_launcher, python_env_bin
+from .launchers import LauncherNotFoundError, find_launcher, python_env_bin
 from .mpi import (
     OPENMPI,
+    MPIDetectionError,
+    allreduce_pin,
     build_horovodrun_command,
     build_mpirun_command,
     build_torchrun_command,
@@ -206,6 +208,17 @@ def _testbed(link, nodes, topology, mpirun, other_launcher, hostfile):
     return NodeTestbed(nodes, link, topology=topology or "star", mpirun=mpirun)
 
 
+def _mpi_flavor(mpirun, required):
+    """The MPI behind ``mpirun``; ``None`` when not ``required`` (a torchrun or horovodrun job,
+    whose own all-reduce is Gloo's) and there is none."""
+    try:
+        return detect_mpi(mpirun)
+    except (LauncherNotFoundError, MPIDetectionError):
+        if required:
+            raise
+        return None
+
+
 def describe_calibration(calibration, nodes=False):
     """One line about a calibration dict; ``nodes``: it came from the node test bed."""
     who = f"{calibration['n']} nodes x 1 rank" if nodes else f"{calibration['n']} ranks"
@@ -226,7 +239,8 @@ def _say(message):
 def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False, torchrun=False,
                 oversubscribe=False, hostfile=None,
                 env=(), calibrate=True, tolerance=0.15, timeout=None, capture=False, echo=True,
-                dry_run=False, mpirun=None, tag_output=True, extra_mca=None, grace=10.0):
+                dry_run=False, mpirun=None, tag_output=True, extra_mca=None, grace=10.0,
+                allreduce="auto"):
     """Run ``argv`` on ``n`` ranks and return a :class:`RunResult`.
 
     Knobs:
@@ -256,6 +270,12 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
       ``env``            entries ``NAME`` (forward) or ``NAME=VALUE`` (set) for every rank.
                          Local ranks also get the running venv/conda env's ``bin`` first on
                          ``PATH``, as if it were activated.
+      ``allreduce``      the job's MPI all-reduce algorithm: ``"auto"`` (the ring the test
+                         bed's calibration measured, as environment variables for every rank
+                         under every launcher, unless ``env``, ``extra_mca`` or the
+                         environment already choose one; nothing off the test bed), ``"ring"``
+                         (also off the test bed) or ``"default"`` (the library's own choice);
+                         see :func:`~.mpi.allreduce_pin`. A note says what was done.
       ``calibrate``      on the test bed, measure the link first (with ``max(n, 2)`` ranks;
                          with ``nodes``, one rank per node) and refuse to run
                          (``CalibrationError``) when it is more than ``tolerance`` off nominal.
@@ -276,7 +296,13 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
     if torchrun and hostfile:
         raise ValueError("--hostfile is for mpirun; torchrun runs on one node here (multi-node: "
                          "start torchrun on every node with --rdzv-endpoint HOST:PORT)")
-    testbed = _testbed(link, nodes, topology, mpirun, horovod or torchrun, hostfile)
+    other_launcher = horovod or torchrun
+    testbed = _testbed(link, nodes, topology, mpirun, other_launcher, hostfile)
+    flavor = (_mpi_flavor(mpirun, required=not other_launcher)
+              if not other_launcher or testbed or allreduce == "ring" else None)
+    pin, why = allreduce_pin(flavor, allreduce, testbed=testbed is not None, env_entries=env,
+                             extra_mca=extra_mca)
+    env = [*env, *pin]
     child_env = dict(os.environ)
     env_bin = python_env_bin()
     if env_bin is not None:
@@ -296,7 +322,6 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
         cmd = build_horovodrun_command(n, argv, network_interface=INTERFACE if testbed else None,
                                        horovodrun=find_launcher("horovodrun"))
     else:
-        flavor = detect_mpi(mpirun)
         if isinstance(testbed, LinkTestbed) and not oversubscribe and flavor.kind == OPENMPI:
             # The namespace holds one host, so every rank lands on it whatever the core count;
             # Open MPI would refuse N > cores ("not enough slots").
@@ -308,8 +333,9 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
                build_mpirun_command(flavor, n, argv, **options))
         if isinstance(testbed, NodeTestbed):
             notes += testbed.notes(n)
-    if testbed and (horovod or torchrun):
+    if testbed and other_launcher:
         cmd = testbed.wrap(cmd)
+    notes += [why] if why else []
     setup = testbed.setup_commands() if testbed else []
     node_table = ([{"host": host, "namespace": namespace, "address": address}
                    for host, namespace, address in zip(testbed.hosts, testbed.node_namespaces,

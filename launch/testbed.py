@@ -45,7 +45,7 @@ from pacmpi.units import format_rate, parse_rate
 
 from ._namespaces import delete, end_processes, new_name, remove_stale, workdir
 from ._signals import signals_held, unwind_on_signals
-from .mpi import build_mpirun_command, detect_mpi, ring_allreduce_settings
+from .mpi import build_mpirun_command, detect_mpi, ring_allreduce_env
 
 __all__ = ["TestbedError", "CalibrationError", "tbf_command", "NamespaceBed", "LinkTestbed",
            "probe_testbed"]
@@ -210,13 +210,12 @@ class NamespaceBed:
             nbytes = self.rate_bps * seconds_per_call / (8 * per_byte)
             nbytes = int(min(max(nbytes, 2**20), 2**28)) // 4 * 4
         flavor = detect_mpi(self.mpirun)
-        mca, env = ring_allreduce_settings(flavor)
+        ring = ring_allreduce_env(flavor)
         script = Path(__file__).with_name("_calibrate.py")
         # Oversubscribe: the ranks mostly wait on the link, so more ranks than cores is fine.
         cmd = self.mpirun_command(flavor, n,
                                   [sys.executable, str(script), str(nbytes), str(repeats)],
-                                  oversubscribe=True, tag_output=False, extra_mca=mca,
-                                  env_forward=env)
+                                  oversubscribe=True, tag_output=False, env_forward=ring)
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -232,7 +231,7 @@ class NamespaceBed:
             "nbytes": measured["nbytes"], "repeats": repeats, "times_s": measured["times"],
             "time_s": seconds, **link_model(n, measured["nbytes"], seconds, self.topology),
             "model_time_s": per_byte * measured["nbytes"] * 8 / self.rate_bps,
-            "algorithm": "ring" if mca or env else "implementation default",
+            "algorithm": "ring" if ring else "implementation default",
             "mpi": flavor.describe(), "tolerance": tolerance,
         }
         result["ratio"] = result["link_bps"] / self.rate_bps

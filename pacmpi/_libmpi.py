@@ -1,12 +1,13 @@
 """The C functions of the MPI library mpi4py runs on, through ctypes, for what mpi4py does not
-wrap: ``MPI_Op_create`` over a compiled function's address (the half-precision sums) and the
-MPIX CUDA-support queries (:func:`pacmpi.collectives.cuda_support`).
+wrap: ``MPI_Op_create`` over a compiled function's address (the half-precision sums), the
+MPIX CUDA-support queries (:func:`pacmpi.collectives.cuda_support`) and MPI_T control
+variables (:func:`pacmpi.collectives.allreduce_algorithm`).
 """
 import ctypes
 import ctypes.util
 import os
 
-__all__ = ["function", "user_op"]
+__all__ = ["function", "user_op", "control_variable"]
 
 
 def function(MPI, name):
@@ -49,3 +50,69 @@ def user_op(MPI, address):
     if err != 0:
         raise RuntimeError(f"MPI_Op_create failed with error {err}")
     return MPI.Op.fromhandle(handle.value or 0)
+
+
+_NAME_LEN = 256
+
+
+def control_variable(MPI, name):
+    """``(value, item)`` of the MPI_T control variable ``name`` as the MPI library itself sees
+    it (after ``MPI_Init``: the value it read from ``--mca``, the environment or its parameter
+    files): an int (a boolean as 0/1) and the name of its enum value (``None`` when it is no
+    enum), or a string and ``None``; ``None`` when the library has no such variable. mpi4py
+    wraps no MPI_T."""
+    provided = ctypes.c_int()
+    if function(MPI, "MPI_T_init_thread")(0, ctypes.byref(provided)) != 0:
+        raise RuntimeError("MPI_T_init_thread failed")
+    try:
+        index = ctypes.c_int()
+        if function(MPI, "MPI_T_cvar_get_index")(name.encode(), ctypes.byref(index)) != 0:
+            return None
+        datatype, enumtype = _cvar_types(MPI, index)
+        handle, count = ctypes.c_void_p(), ctypes.c_int()
+        if function(MPI, "MPI_T_cvar_handle_alloc")(index, None, ctypes.byref(handle),
+                                                    ctypes.byref(count)) != 0:
+            raise RuntimeError(f"MPI_T_cvar_handle_alloc({name}) failed")
+        try:
+            if datatype == MPI._handleof(MPI.CHAR):
+                text = ctypes.create_string_buffer(max(count.value, 1))
+                function(MPI, "MPI_T_cvar_read")(handle, text)
+                return text.value.decode(), None
+            value = ctypes.c_int64(0)  # zeroed: a boolean fills only its first byte
+            function(MPI, "MPI_T_cvar_read")(handle, ctypes.byref(value))
+        finally:
+            function(MPI, "MPI_T_cvar_handle_free")(ctypes.byref(handle))
+        value = ctypes.c_int(value.value & 0xFFFFFFFF).value  # an int fills 4 bytes
+        return value, _enum_item(MPI, enumtype, value)
+    finally:
+        function(MPI, "MPI_T_finalize")()
+
+
+def _cvar_types(MPI, index):
+    """``(datatype handle, enum handle)`` of control variable ``index``."""
+    texts = [ctypes.create_string_buffer(_NAME_LEN) for _ in range(2)]
+    lengths = [ctypes.c_int(_NAME_LEN) for _ in range(2)]
+    verbosity, bind, scope = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    datatype, enumtype = ctypes.c_void_p(), ctypes.c_void_p()
+    function(MPI, "MPI_T_cvar_get_info")(
+        index, texts[0], ctypes.byref(lengths[0]), ctypes.byref(verbosity),
+        ctypes.byref(datatype), ctypes.byref(enumtype), texts[1], ctypes.byref(lengths[1]),
+        ctypes.byref(bind), ctypes.byref(scope))
+    return datatype.value or 0, enumtype
+
+
+def _enum_item(MPI, enumtype, value):
+    """The name of ``value`` in enum ``enumtype``, or ``None`` (no enum, or not in it)."""
+    if not enumtype.value:  # MPI_T_ENUM_NULL
+        return None
+    text = ctypes.create_string_buffer(_NAME_LEN)
+    items, length = ctypes.c_int(), ctypes.c_int(_NAME_LEN)
+    function(MPI, "MPI_T_enum_get_info")(enumtype, ctypes.byref(items), text,
+                                         ctypes.byref(length))
+    for item in range(items.value):
+        number, length = ctypes.c_int(), ctypes.c_int(_NAME_LEN)
+        function(MPI, "MPI_T_enum_get_item")(enumtype, item, ctypes.byref(number), text,
+                                             ctypes.byref(length))
+        if number.value == value:
+            return text.value.decode()
+    return None

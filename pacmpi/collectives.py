@@ -11,7 +11,7 @@ from . import _libmpi
 from .arrays import array_module, is_device_array, synchronize
 from .half_sum import half_dtypes, half_sum
 
-__all__ = ["Collectives", "MPICollectives", "default_collectives"]
+__all__ = ["Collectives", "MPICollectives", "default_collectives", "allreduce_algorithm"]
 
 
 class CompletedRequest:
@@ -111,6 +111,29 @@ def cuda_support(MPI):
     flag = ctypes.c_int(0)
     gpu_query(_MPICH_GPU_CUDA, ctypes.byref(flag))
     return bool(flag.value), "MPIX_GPU_query_support(CUDA)"
+
+
+def allreduce_algorithm(MPI):
+    """The all-reduce algorithm the MPI library mpi4py runs on was told to use, read back from
+    the library (MPI_T control variables, after ``MPI_Init``): for Open MPI ``"default"`` (its
+    own choice per call: ``coll_tuned_use_dynamic_rules`` off, or on with the algorithm left
+    at ``ignore`` and no rules file), the forced algorithm's name (``"ring"``,
+    ``"recursive_doubling"``, ...) or ``"rules file PATH"`` (a
+    ``coll_tuned_dynamic_rules_filename``, which Open MPI consults first); ``None`` for a
+    library that cannot say. What ``pacmpi-run`` pins on the test bed and ``pacmpi tune``
+    recommends, checked where it acts."""
+    if not MPI.Get_library_version().startswith("Open MPI"):
+        return None
+    dynamic = _libmpi.control_variable(MPI, "coll_tuned_use_dynamic_rules")
+    forced = _libmpi.control_variable(MPI, "coll_tuned_allreduce_algorithm")
+    rules = _libmpi.control_variable(MPI, "coll_tuned_dynamic_rules_filename")
+    if dynamic is None or forced is None:  # coll/tuned not built
+        return None
+    if not dynamic[0]:
+        return "default"
+    if rules and rules[0]:
+        return f"rules file {rules[0]}"
+    return "default" if forced[0] == 0 else forced[1] or str(forced[0])
 
 
 class MPICollectives(Collectives):

@@ -20,7 +20,19 @@ links of ``B`` bytes/s it takes::
   ``4 n / w`` (one comparison pass over the mask; ternary steps also compute scales there),
   each multiplied by ``ranks on a host / its cores`` when ranks share cores (the test bed);
 - ``a`` and ``eta`` per topology (see :data:`DEFAULT_FIT`); the model is the ring's, which
-  ``pacmpi bench allreduce --link`` pins.
+  ``pacmpi-run --link/--nodes`` pins for every job (``pacmpi bench allreduce`` records it).
+
+The peers (:func:`peer_step_seconds`), from the same ``a``, ``eta`` and ``B``, network only
+(their codecs are not fitted): TopK and DGC all-gather ``k`` (int64 index, float32 value)
+pairs per rank, ``k = ceil(ratio n)`` (DGC: per tensor, at least one each); TernGrad
+all-gathers 2-bit codes (``n / 4`` bytes) and one float32 scale per tensor; each of the two
+all-gathers takes ``P - 1`` ring steps and puts ``(P - 1) m`` bytes of an ``m``-byte payload
+on every node link of a star (``P (P - 1) m`` through a shared link): it grows with ``P``
+where the ring all-reduce's ``2 (P - 1) / P`` saturates. PowerSGD of rank ``r`` (torch's
+``powerSGD_hook``) ring-all-reduces, per fusion bucket, the uncompressed tensors, then the
+``P`` factors (``n r`` values per ``n x m`` matrix), then the ``Q`` factors (``m r``): float32
+``(n + m) r`` values per compressed matrix, a tensor being compressed when
+``2 (n + m) r < n m`` (its ``min_compression_rate``). fp16 is the all-reduce method above.
 
 :func:`calibrate` fits the codec and verify throughputs to their measured columns and ``a``,
 ``eta`` to the rest of the step times of ``pacmpi bench allreduce --link RATE --json`` files;
@@ -30,6 +42,7 @@ compute, not overlapped with communication (a conservative choice for the speedu
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 
@@ -40,7 +53,8 @@ from .methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from .ternary import TernaryCodec
 from .units import parse_rate, parse_size
 
-__all__ = ["workload", "predict", "latency", "calibrate", "calibrate_main", "predict_main"]
+__all__ = ["workload", "predict", "compare", "latency", "calibrate", "calibrate_main",
+           "predict_main"]
 
 TOPOLOGIES = ("star", "shared")
 
@@ -72,23 +86,27 @@ def workload(*, model=None, nbytes=None, density=1.0, bucket_bytes=DEFAULT_BUCKE
     buckets."""
     if not isinstance(density, (int, float)) or not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], got {density!r}")
+    shapes, prunable = tensors(model=model, nbytes=nbytes, bucket_bytes=bucket_bytes)
+    values = sum(math.prod(shape) for shape in shapes)
+    kept = int(round(density * prunable)) + values - prunable
+    buckets = len(BucketLayout(shapes, [np.float32] * len(shapes), bucket_bytes).buckets)
+    return values, kept, buckets
+
+
+def tensors(*, model=None, nbytes=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """``(shapes, prunable)``: a step's gradient tensors in gradient-ready (reverse) order and
+    how many of their values a mask may prune; ``nbytes`` of float32 come as 1-d pieces of
+    ``bucket_bytes``, every value prunable."""
     if (model is None) == (nbytes is None):
         raise ValueError("give exactly one of model (a name) and nbytes")
     if model is not None:
         from .bench.models import model_params
         params = model_params(model)[::-1]
-        shapes = [p.shape for p in params]
-        prunable = sum(p.size for p in params if p.prunable)
-        values = sum(p.size for p in params)
-        kept = int(round(density * prunable)) + values - prunable
-    else:
-        values = _check_int("nbytes", nbytes, 4) // 4
-        kept = int(round(density * values))
-        # Many tensors, as a model has, rather than one array that would get a bucket alone.
-        piece = bucket_bytes // 4
-        shapes = [(piece,)] * (values // piece) + ([(values % piece,)] if values % piece else [])
-    buckets = len(BucketLayout(shapes, [np.float32] * len(shapes), bucket_bytes).buckets)
-    return values, kept, buckets
+        return [p.shape for p in params], sum(p.size for p in params if p.prunable)
+    values = _check_int("nbytes", nbytes, 4) // 4
+    # Many tensors, as a model has, rather than one array that would get a bucket alone.
+    piece = bucket_bytes // 4
+    return [(piece,)] * (values // piece) + ([(values % piece,)] if values % piece else []), values
 
 
 def _wire_bytes(method, values, kept, buckets, participants):
@@ -127,6 +145,14 @@ def latency(fit, topology):
     return _per_topology(fit, "latency_s", topology)
 
 
+def _rate(fit, link_bps, nodes, topology):
+    """Bytes per second of the link a ring edge crosses."""
+    # One node on a star: the ring never leaves it, so it runs at memory speed.
+    if topology == "star" and nodes == 1:
+        return fit["intra_Bps"]
+    return link_efficiency(fit, topology) * link_bps / 8
+
+
 def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=None,
                  topology="star", hierarchical=False, host_cores=None, compute_s=0.0,
                  codec=True):
@@ -143,10 +169,7 @@ def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=N
     ring = nodes if hierarchical else ranks
     wire = _wire_bytes(method, values, kept, buckets, ring)
     factor = 2 * (ring - 1) / ring if topology == "star" else 2 * (ring - 1)
-    # One node on a star: the ring never leaves it, so it runs at memory speed.
-    rate = fit["intra_Bps"] if topology == "star" and nodes == 1 else (
-        link_efficiency(fit, topology) * link_bps / 8)
-    network_s = wire * factor / rate
+    network_s = wire * factor / _rate(fit, link_bps, nodes, topology)
     collectives = buckets + method.packed
     latency_s = latency(fit, topology) * collectives * 2 * (ring - 1)
     intra_s = 0.0
@@ -164,25 +187,124 @@ def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=N
             "bits_per_value": 8 * wire / kept if method.quantize == "ternary" and kept else None}
 
 
+PEERS = tuple(name for name in METHODS if name not in ALLREDUCE_METHODS)
+"""The methods pacmpi compares itself with (TopK, TernGrad, DGC, PowerSGD), modelled by
+:func:`peer_step_seconds`."""
+
+PEER_DEFAULTS = {"topk_ratio": 0.01, "dgc_ratio": 0.001, "powersgd_rank": 4}
+"""The peers' knobs when not given: the baselines' own defaults (``TopKSync`` 1%, DGC 0.1%
+as in its paper, ``powerSGD_hook`` rank 4 as in ``pacmpi bench train``'s labels)."""
+
+
+def powersgd_values(shapes, rank):
+    """Values one rank all-reduces per step under ``powerSGD_hook`` of ``rank``: each tensor as
+    an ``n x m`` matrix (``n`` its first dimension), sent as ``(n + m) r`` factor values when
+    ``2 (n + m) r < n m`` (torch's ``min_compression_rate`` 2; ``r = min(n, m, rank)``), else
+    whole (vectors always)."""
+    total = 0
+    for shape in shapes:
+        n, m = shape[0], math.prod(shape[1:])
+        r = min(n, m, rank)
+        total += (n + m) * r if 2 * (n + m) * r < n * m else n * m
+    return total
+
+
+def _peer_traffic(method, shapes, buckets, *, topk_ratio, dgc_ratio, powersgd_rank):
+    """``(collective, calls, payload bytes per rank)`` of one step of peer ``method``."""
+    values = sum(math.prod(shape) for shape in shapes)
+    if method == "topk":  # TopKSync: one global top-k, int64 indices and float32 values
+        return "allgather", 2, 12 * max(1, math.ceil(topk_ratio * values))
+    if method == "dgc":  # DGCSync: the top ratio of each tensor, at least one value each
+        return "allgather", 2, 12 * sum(max(1, math.ceil(dgc_ratio * math.prod(shape)))
+                                        for shape in shapes)
+    if method == "terngrad":  # 2-bit codes, four per byte, and a float32 scale per tensor
+        return "allgather", 2, math.ceil(values / 4) + 4 * len(shapes)
+    # powersgd: per fusion bucket the uncompressed tensors, then the Ps, then the Qs.
+    return "allreduce", 3 * buckets, 4 * powersgd_values(shapes, powersgd_rank)
+
+
+def peer_step_seconds(fit, *, method, ranks, link_bps, shapes, buckets, nodes=None,
+                      topology="star", compute_s=0.0, topk_ratio=PEER_DEFAULTS["topk_ratio"],
+                      dgc_ratio=PEER_DEFAULTS["dgc_ratio"],
+                      powersgd_rank=PEER_DEFAULTS["powersgd_rank"]):
+    """Predicted seconds of one step of a peer (see the module docstring) and its parts, in
+    :func:`step_seconds`' keys; ``codec_s`` and ``verify_s`` are ``None``: not modelled."""
+    ranks = _check_int("ranks", ranks)
+    nodes = ranks if nodes is None else _check_int("nodes", nodes)
+    method = lookup_method(method, PEERS).name
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
+    if ranks % nodes:
+        raise ValueError(f"{ranks} ranks do not fill {nodes} nodes evenly")
+    for name, value in (("topk_ratio", topk_ratio), ("dgc_ratio", dgc_ratio)):
+        if not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    _check_int("powersgd_rank", powersgd_rank)
+    collective, calls, payload = _peer_traffic(method, shapes, buckets, topk_ratio=topk_ratio,
+                                               dgc_ratio=dgc_ratio, powersgd_rank=powersgd_rank)
+    if collective == "allgather":  # every rank receives every other rank's payload
+        factor = ranks - 1 if topology == "star" else ranks * (ranks - 1)
+        steps = ranks - 1
+    else:
+        factor = 2 * (ranks - 1) / ranks if topology == "star" else 2 * (ranks - 1)
+        steps = 2 * (ranks - 1)
+    network_s = payload * factor / _rate(fit, link_bps, nodes, topology)
+    latency_s = latency(fit, topology) * calls * steps
+    return {"seconds": compute_s + latency_s + network_s, "compute_s": compute_s,
+            "latency_s": latency_s, "network_s": network_s, "intra_s": 0.0, "codec_s": None,
+            "verify_s": None, "wire_bytes": int(payload), "bits_per_value": None,
+            "collective": collective}
+
+
 def predict(fit, *, ranks, link, method, density=1.0, model=None, nbytes=None, nodes=None,
-            topology="star", hierarchical=False, compute_s=0.0, host_cores=None, codec=True):
+            topology="star", hierarchical=False, compute_s=0.0, host_cores=None, codec=True,
+            **peer):
     """Seconds per step of ``method`` and its speedup over flat dense (fp32) and fp16 (the same
-    topology, compute and codec setting); returns a JSON-able dict."""
+    topology, compute and codec setting); returns a JSON-able dict. ``method``: one of
+    :data:`~pacmpi.methods.METHODS`; a peer's knobs (``topk_ratio``, ``dgc_ratio``,
+    ``powersgd_rank``) come as keywords (defaults :data:`PEER_DEFAULTS`). ``density`` is
+    PacTrain's mask; the peers compress the full gradient, flat."""
     if not isinstance(compute_s, (int, float)) or compute_s < 0:
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    unknown = set(peer) - set(PEER_DEFAULTS)
+    if unknown:
+        raise TypeError(f"predict() got unexpected keywords {sorted(unknown)}")
     values, kept, buckets = workload(model=model, nbytes=nbytes, density=density)
-    common = dict(ranks=ranks, link_bps=parse_rate(link), values=values, kept=kept,
-                  buckets=buckets, nodes=nodes, topology=topology, host_cores=host_cores,
-                  compute_s=compute_s, codec=codec)
-    method = lookup_method(method, ALLREDUCE_METHODS).name
-    mine = step_seconds(fit, method=method, hierarchical=hierarchical, **common)
-    baselines = {m: step_seconds(fit, method=m, **common)["seconds"] for m in ("dense", "fp16")}
-    return dict(mine, ranks=ranks, nodes=nodes or ranks, link=link, topology=topology,
-                method=method, hierarchical=hierarchical, model=model, density=density,
-                values=values, kept=kept, buckets=buckets,
+    common = dict(ranks=ranks, link_bps=parse_rate(link), nodes=nodes, topology=topology,
+                  compute_s=compute_s)
+    allreduce = dict(common, values=values, kept=kept, buckets=buckets, host_cores=host_cores,
+                     codec=codec)
+    method = lookup_method(method).name
+    if method in ALLREDUCE_METHODS:
+        mine = dict(step_seconds(fit, method=method, hierarchical=hierarchical, **allreduce),
+                    collective="allreduce")
+    else:
+        if hierarchical:
+            raise ValueError(f"hierarchical reduction is pacmpi's; {method} is modelled flat")
+        if method == "powersgd" and model is None:
+            raise ValueError("powersgd compresses matrices: give a model, not a byte count")
+        mine = peer_step_seconds(fit, method=method, shapes=tensors(model=model, nbytes=nbytes)[0],
+                                 buckets=buckets, **common, **{**PEER_DEFAULTS, **peer})
+    baselines = {m: step_seconds(fit, method=m, **allreduce)["seconds"] for m in ("dense", "fp16")}
+    knobs = {**PEER_DEFAULTS, **peer}
+    setting = {"pactrain": f"density {density}", "pactrain-ternary": f"density {density}",
+               "topk": f"ratio {knobs['topk_ratio']}", "dgc": f"ratio {knobs['dgc_ratio']}",
+               "powersgd": f"rank {knobs['powersgd_rank']}"}.get(method, "")
+    return dict(mine, setting=setting, ranks=ranks, nodes=nodes or ranks, link=link,
+                topology=topology, method=method, hierarchical=hierarchical, model=model,
+                density=density, values=values, kept=kept, buckets=buckets,
                 dense_s=baselines["dense"], fp16_s=baselines["fp16"],
                 speedup_vs_dense=baselines["dense"] / mine["seconds"],
                 speedup_vs_fp16=baselines["fp16"] / mine["seconds"])
+
+
+def compare(fit, *, model=None, nbytes=None, hierarchical=False, **options):
+    """:func:`predict` of every method (PacTrain's hierarchical when asked, the peers flat;
+    PowerSGD only for a model), fastest first."""
+    rows = [predict(fit, method=method, model=model, nbytes=nbytes,
+                    hierarchical=hierarchical and method in ALLREDUCE_METHODS, **options)
+            for method in METHODS if not (method == "powersgd" and model is None)]
+    return sorted(rows, key=lambda row: row["seconds"])
 
 
 def _nnls(columns, target, weights):
@@ -221,8 +343,8 @@ def _points(documents):
             # On the star bed Open MPI's default choice took 1.73x the ring's time for the
             # same bytes; the model is the ring's, so such a run would only measure the choice.
             raise ValueError(f"{source}: star run with all-reduce algorithm {algorithm!r}, not "
-                             f"the ring the model describes; rerun `pacmpi bench allreduce "
-                             f"--link RATE` (which pins the ring)")
+                             f"the ring the model describes; rerun it under `pacmpi-run --link "
+                             f"RATE` (which pins the ring)")
         for row in doc["rows"]:
             values, kept, buckets = workload(model=doc["model"], density=row["density"])
             points.append({
@@ -377,8 +499,49 @@ def calibrate_main(argv=None):
     return 0
 
 
+def describe_fit(fit, source):
+    """One line on which calibration a prediction uses and how far it is trusted: the runs it
+    was fitted on and its held-out points within 15% (per topology)."""
+    if source is None:
+        return ("calibration: none (the uncalibrated model: nominal link rates, no latency, "
+                "free codec; a lower bound)")
+    text = f"calibration: {source}"
+    if fit.get("fit_files"):
+        text += f", fitted on {len(fit['fit_files'])} runs ({', '.join(fit['fit_files'])})"
+    held_out = fit.get("validation") or []
+    if not held_out:
+        return text + "; no held-out runs checked it"
+    parts = []
+    for topology in TOPOLOGIES:
+        errors = [abs(p["error"]) for p in held_out if p.get("topology", "shared") == topology]
+        if errors:
+            parts.append(f"{topology} {sum(e <= 0.15 for e in errors)}/{len(errors)} "
+                         f"(max {max(errors):.0%})")
+    return text + f"; held-out points within 15%: {', '.join(parts)}"
+
+
+def format_comparison(rows):
+    """:func:`compare`'s rows as a table, fastest first, and the winner named."""
+    lines = [f"{'method':<24} {'setting':<12} {'collective':>10} {'s/step':>9} {'network':>9} "
+             f"{'latency':>9} {'codec':>9} {'wire B/rank':>13} {'x dense':>8}"]
+    for row in rows:
+        name = row["method"] + (" (hier.)" if row["hierarchical"] else "")
+        codec = ("n/a" if row["codec_s"] is None else
+                 f"{row['codec_s'] + row['verify_s'] + row['intra_s']:.4f}")
+        lines.append(f"{name:<24} {row['setting']:<12} {row['collective']:>10} "
+                     f"{row['seconds']:>9.4f} {row['network_s']:>9.4f} {row['latency_s']:>9.4f} "
+                     f"{codec:>9} {row['wire_bytes']:>13,} {row['speedup_vs_dense']:>8.2f}")
+    best = rows[0]
+    lines.append(f"fastest: {best['method']} {best['setting']}".rstrip() +
+                 f", {best['seconds']:.4f} s per step, "
+                 f"x{best['speedup_vs_dense']:.2f} vs dense (time only: the methods differ in "
+                 f"what they send, and in accuracy; peers' codec n/a = not modelled)")
+    return "\n".join(lines)
+
+
 def predict_main(argv=None):
-    """``pacmpi model predict``: seconds per step and the speedup over dense fp32 and fp16."""
+    """``pacmpi model predict``: seconds per step and the speedup over dense fp32 and fp16, or
+    every method compared (``--compare``)."""
     from .bench.models import MODELS
     parser = argparse.ArgumentParser(prog="pacmpi model predict", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -390,9 +553,15 @@ def predict_main(argv=None):
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--model", choices=MODELS)
     size.add_argument("--bytes", dest="nbytes", help="float32 gradient bytes (e.g. 100M)")
-    parser.add_argument("--density", type=float, default=1.0)
+    parser.add_argument("--density", type=float, default=1.0,
+                        help="PacTrain's mask density (default 1)")
     parser.add_argument("--method", default="pactrain",
-                        help=f"one of {', '.join(ALLREDUCE_METHODS)} (default %(default)s)")
+                        help=f"one of {', '.join(METHODS)} (default %(default)s)")
+    parser.add_argument("--compare", action="store_true",
+                        help="every method, fastest first, the winner named")
+    for name, default in PEER_DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                            help="the peer's knob (default %(default)s)")
     parser.add_argument("--compute-s", type=float, default=0.0,
                         help="compute seconds per step, not overlapped (default 0)")
     parser.add_argument("--hierarchical", action="store_true")
@@ -411,31 +580,41 @@ def predict_main(argv=None):
         print(f"pacmpi model predict: no {_FIT_FILE} here, using the uncalibrated model "
               f"(--fit FILE to choose one)", file=sys.stderr)
         args.fit = "none"
-    if args.fit == "none":
+    source = None if args.fit == "none" else args.fit or _FIT_FILE
+    if source is None:
         fit = DEFAULT_FIT
     else:
         try:
-            with open(args.fit or _FIT_FILE) as fh:
+            with open(source) as fh:
                 fit = json.load(fh)
         except (OSError, ValueError) as exc:
-            parser.error(f"cannot read --fit {args.fit or _FIT_FILE!r}: {exc}")
+            parser.error(f"cannot read --fit {source!r}: {exc}")
+    options = dict(ranks=args.ranks, link=args.link, density=args.density, model=args.model,
+                   nodes=args.nodes, topology=args.topology, hierarchical=args.hierarchical,
+                   compute_s=args.compute_s, host_cores=args.host_cores, codec=not args.no_codec,
+                   **{name: getattr(args, name) for name in PEER_DEFAULTS})
     try:
-        nbytes = None if args.nbytes is None else parse_size(args.nbytes)
-        result = predict(fit, ranks=args.ranks, link=args.link, method=args.method,
-                         density=args.density, model=args.model, nbytes=nbytes,
-                         nodes=args.nodes, topology=args.topology,
-                         hierarchical=args.hierarchical, compute_s=args.compute_s,
-                         host_cores=args.host_cores, codec=not args.no_codec)
+        options["nbytes"] = None if args.nbytes is None else parse_size(args.nbytes)
+        result = (compare(fit, **options) if args.compare else
+                  predict(fit, method=args.method, **options))
     except ValueError as exc:
         parser.error(str(exc))
+    calibration = describe_fit(fit, source)
     if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"{result['method']}{' (hierarchical)' if args.hierarchical else ''}: "
-              f"{result['seconds']:.4f} s per step (network {result['network_s']:.4f}, codec "
-              f"{result['codec_s'] + result['verify_s']:.4f}, compute {result['compute_s']:.4f}); "
-              f"x{result['speedup_vs_dense']:.2f} vs dense, "
-              f"x{result['speedup_vs_fp16']:.2f} vs fp16")
+        print(json.dumps({"calibration": calibration, "rows": result} if args.compare else
+                         dict(result, calibration=calibration), indent=2))
+        return 0
+    print(calibration)
+    if args.compare:
+        print(format_comparison(result))
+        return 0
+    codec = ("n/a" if result["codec_s"] is None else
+             f"{result['codec_s'] + result['verify_s']:.4f}")
+    print(f"{result['method']}{' (hierarchical)' if args.hierarchical else ''}: "
+          f"{result['seconds']:.4f} s per step (network {result['network_s']:.4f}, codec "
+          f"{codec}, compute {result['compute_s']:.4f}); "
+          f"x{result['speedup_vs_dense']:.2f} vs dense, "
+          f"x{result['speedup_vs_fp16']:.2f} vs fp16")
     return 0
 
 

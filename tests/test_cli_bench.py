@@ -19,7 +19,8 @@ CORE_COMMANDS = {("info",): "pacmpi.info:main",
                  ("bench", "allreduce"): "pacmpi.bench.allreduce:main",
                  ("train",): "pacmpi.experiments.train:main",
                  ("bench", "train"): "pacmpi.experiments.bench_train:main",
-                 ("doctor",): "pacmpi.launch.doctor:main"}
+                 ("doctor",): "pacmpi.launch.doctor:main",
+                 ("tune",): "pacmpi.launch.tune:main"}
 
 
 def pacmpi_cli(*args, env=None):

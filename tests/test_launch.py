@@ -5,6 +5,7 @@ venv's launchers beside its Python by themselves."""
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +34,12 @@ from pacmpi.launch._signals import signals_held, unwind_on_signals
 from pacmpi.launch.cli import main
 from pacmpi.launch.failure import describe_failure, parse_rank_failure
 from pacmpi.launch.launchers import locate_launcher
-from pacmpi.launch.mpi import build_torchrun_command, parse_mpi_version, ring_allreduce_settings
+from pacmpi.launch.mpi import (
+    allreduce_pin,
+    build_torchrun_command,
+    parse_mpi_version,
+    ring_allreduce_env,
+)
 from pacmpi.launch.runner import parse_torchrun_failure
 from pacmpi.launch.testbed import link_model, probe_testbed
 from pacmpi.units import parse_rate
@@ -245,11 +251,47 @@ def test_torchrun_commands():
             build_torchrun_command(**kwargs)
 
 
-def test_ring_allreduce_settings():
-    assert ring_allreduce_settings(OMPI5) == (
-        {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}, [])
-    assert ring_allreduce_settings(MPICH) == ({}, ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"])
-    assert ring_allreduce_settings(INTEL) == ({}, [])
+RING_OMPI = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_allreduce_algorithm=4"]
+
+
+def test_ring_allreduce_env():
+    assert ring_allreduce_env(OMPI5) == RING_OMPI
+    assert ring_allreduce_env(MPICH) == ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
+    assert ring_allreduce_env(INTEL) == []
+
+
+def test_allreduce_pin_on_the_test_bed_unless_the_user_chose():
+    def pin(flavor, choice="auto", **kw):
+        return allreduce_pin(flavor, choice, environ={}, **kw)
+
+    assert pin(OMPI5, testbed=True)[0] == RING_OMPI
+    assert pin(MPICH, testbed=True)[0] == ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
+    assert pin(OMPI5, testbed=False) == ([], None)  # off the bed: the library's choice
+    assert pin(OMPI5, "ring", testbed=False)[0] == RING_OMPI
+    entries, note = pin(OMPI5, "default", testbed=True)  # the opt-out
+    assert entries == [] and note.startswith("--allreduce-algorithm default")
+    assert pin(None, testbed=True) == ([], None)  # a torchrun job without an MPI
+    # The user's own choice wins, however spelled; it is named in the note.
+    for kw, named in [
+            ({"env_entries": ["OMPI_MCA_coll_tuned_allreduce_algorithm=2"]},
+             "-x OMPI_MCA_coll_tuned_allreduce_algorithm=2"),
+            ({"extra_mca": {"coll_tuned_use_dynamic_rules": "0"}},
+             "--mca coll_tuned_use_dynamic_rules 0"),
+            ({"environ": {"OMPI_MCA_coll_tuned_dynamic_rules_filename": "/r"}},
+             "$OMPI_MCA_coll_tuned_dynamic_rules_filename=/r in the environment")]:
+        entries, note = allreduce_pin(OMPI5, "auto", testbed=True, **{"environ": {}, **kw})
+        assert entries == [] and named in note, kw
+        with pytest.raises(ValueError, match=f"ring conflicts with your {re.escape(named)}"):
+            allreduce_pin(OMPI5, "ring", testbed=True, **{"environ": {}, **kw})
+    # Negative control: another MPI's variable, or another Open MPI parameter, is no choice.
+    assert pin(OMPI5, testbed=True, env_entries=["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
+                                                 "OMPI_MCA_coll_tuned_bcast_algorithm=1"]
+               )[0] == RING_OMPI
+    assert pin(INTEL, testbed=True)[0] == []  # no known ring setting: said in the note
+    with pytest.raises(ValueError, match="no known setting selects the ring in Intel MPI"):
+        pin(INTEL, "ring", testbed=True)
+    with pytest.raises(ValueError, match="'fast'"):
+        pin(OMPI5, "fast", testbed=True)
 
 
 # --- rates and the link model ---------------------------------------------------------------
@@ -406,9 +448,34 @@ def test_cli_dry_run_with_link_needs_no_root(capsys, monkeypatch):
     mpirun = str(Path(PY).parent / "mpirun")
     assert lines[4:] == [
         "# note: --link runs all 2 ranks on this host: --oversubscribe added",
+        "# note: the test bed's calibration measured the ring all-reduce: every rank gets "
+        f"{' '.join(RING_OMPI)} (--allreduce-algorithm default leaves the choice to Open MPI)",
         f"ip netns exec {name} {mpirun} -n 2 --oversubscribe --output tag "
-        "--mca mpi_yield_when_idle 1 --mca pml ob1 "
+        f"-x {RING_OMPI[0]} -x {RING_OMPI[1]} --mca mpi_yield_when_idle 1 --mca pml ob1 "
         "--mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo python t.py"]
+
+
+def test_cli_dry_run_allreduce_opt_out_and_the_users_own(capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("OMPI_MCA_coll_tuned_allreduce_algorithm", raising=False)
+    bed = ["-n", "2", "--link", "100mbit", "--dry-run"]
+    assert main([*bed, "--allreduce-algorithm", "default", "--", "t"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "OMPI_MCA_coll_tuned" not in lines[-1]
+    assert "# note: --allreduce-algorithm default: the MPI library chooses the job's all-reduce; "\
+        "the calibration measured the ring" in lines
+    mine = "OMPI_MCA_coll_tuned_allreduce_algorithm=3"
+    assert main([*bed, "-x", "OMPI_MCA_coll_tuned_use_dynamic_rules=1", "-x", mine, "--",
+                 "t"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"-x {mine}" in lines[-1] and "allreduce_algorithm=4" not in lines[-1]
+    monkeypatch.setenv("OMPI_MCA_coll_tuned_allreduce_algorithm", "5")  # exported: theirs too
+    assert main([*bed, "--", "t"]) == 0
+    assert "allreduce_algorithm=4" not in capsys.readouterr().out
+    assert main([*bed, "--allreduce-algorithm", "ring", "--", "t"]) == 2
+    assert ("--allreduce-algorithm ring conflicts with your "
+            "$OMPI_MCA_coll_tuned_allreduce_algorithm=5 in the environment"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("extra", [[], ["--oversubscribe"]])
@@ -420,7 +487,7 @@ def test_link_oversubscribes_more_ranks_than_cores(capsys, monkeypatch, extra):
     assert main(["-n", ranks, "--link", "1gbit", *extra, "--dry-run", "--", "t"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].split().count("--oversubscribe") == 1
-    notes = [line for line in lines if line.startswith("# note:")]
+    notes = [line for line in lines if line.startswith("# note: --link")]
     assert notes == ([] if extra else
                      [f"# note: --link runs all {ranks} ranks on this host: --oversubscribe added"])
     assert main(["-n", ranks, "--dry-run", "--", "t"]) == 0  # without --link: as asked
@@ -432,8 +499,9 @@ def test_link_with_mpich_needs_no_oversubscribe_flag(capsys, monkeypatch, tmp_pa
     fake = fake_launcher(tmp_path, "mpiexec", "HYDRA build details:\n    Version: 4.1.2")
     assert main(["-n", "64", "--link", "1gbit", "--mpirun", str(fake), "--dry-run", "--", "t"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert not [line for line in lines if line.startswith("# note:")]
+    assert not [line for line in lines if line.startswith("# note: --link")]
     assert lines[-1].split()[4:7] == [str(fake), "-n", "64"] and "--oversubscribe" not in lines[-1]
+    assert "-genv MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM ring" in lines[-1]  # MPICH's ring pin
 
 
 def test_cli_dry_run_horovod(capsys):
@@ -474,9 +542,12 @@ def test_cli_dry_run_torchrun_on_the_test_bed(capsys, monkeypatch):
         f"# test bed: ip netns exec {name} ip link set lo mtu 9000",
         f"# test bed: ip netns exec {name} tc qdisc add dev lo root tbf rate 100000000bit "
         "burst 64kb latency 200ms"]
-    # torchrun and its ranks in the namespace, gloo on its shaped lo; no note, no mpirun flags.
-    assert lines[4:] == [
-        f"ip netns exec {name} env GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo "
+    # torchrun and its ranks in the namespace, gloo on its shaped lo, no mpirun flags; the
+    # ring pin in their environment too (one spelling for every launcher).
+    assert lines[4].startswith("# note: the test bed's calibration measured the ring")
+    assert lines[5:] == [
+        f"ip netns exec {name} env {' '.join(RING_OMPI)} GLOO_SOCKET_IFNAME=lo "
+        "NCCL_SOCKET_IFNAME=lo "
         f"{VENV_BIN}/torchrun --standalone --nproc-per-node 4 --no-python "
         "pacmpi train --backend ddp"]
 
@@ -718,6 +789,44 @@ def test_link_run_calibrates_and_runs_inside_the_namespace():
     assert name not in netns_names() and netns_names() <= before
 
 
+NODES_PROBE = str(Path(__file__).parent / "mpi_scripts" / "nodes_probe.py")
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_the_job_on_the_link_runs_the_ring_unless_told_otherwise():
+    # Each rank reads back from Open MPI itself (MPI_T) which all-reduce it was told to run:
+    # the ring the calibration measured, MPI's own choice after the opt-out, or the user's.
+    mine = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_allreduce_algorithm=3"]
+    for options, expected in [({}, "ring"), ({"allreduce": "default"}, "default"),
+                              ({"env": mine}, "recursive_doubling")]:
+        result = run_command([PY, NODES_PROBE], 2, link="1gbit", calibrate=False, capture=True,
+                             echo=False, timeout=45, **options)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [json.loads(line.split("NODEPROBE ", 1)[1])
+                 for line in result.stdout.splitlines() if "NODEPROBE " in line]
+        assert [(line["algorithm"], line["exact"]) for line in lines] == [(expected, True)] * 2
+
+
+ENV_PROBE = ("import os; print('PIN', os.environ.get('OMPI_MCA_coll_tuned_use_dynamic_rules'), "
+             "os.environ.get('OMPI_MCA_coll_tuned_allreduce_algorithm'), flush=True)")
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["horovod", "torchrun"])
+def test_the_pin_reaches_horovodrun_and_torchrun_workers(launcher):
+    # Their own all-reduce is Gloo's; the variables still reach every worker, one spelling for
+    # every launcher.
+    result = run_command([PY, "-c", ENV_PROBE], 2, link="1gbit", calibrate=False, capture=True,
+                         echo=False, timeout=90, **{launcher: True})
+    assert result.returncode == 0, result.stderr[-3000:]
+    pins = [line.split("PIN ", 1)[1] for line in result.stdout.splitlines() if "PIN " in line]
+    assert pins == ["1 4", "1 4"], result.stdout
+
+
 @needs_testbed
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
@@ -765,8 +874,8 @@ def test_torchrun_on_the_link_crosses_the_shaped_lo():
     assert result.calibration["n"] == 2  # calibrated first, with mpirun, as for mpirun jobs
     assert abs(result.calibration["ratio"] - 1) <= 0.15, result.calibration
     name = result.command[3]
-    assert result.command[4:8] == ["env", "GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo",
-                                   f"{VENV_BIN}/torchrun"]
+    assert result.command[4:10] == ["env", *RING_OMPI, "GLOO_SOCKET_IFNAME=lo",
+                                    "NCCL_SOCKET_IFNAME=lo", f"{VENV_BIN}/torchrun"]
     lines = [line.split() for line in result.stdout.splitlines() if line.startswith("GLOO")]
     assert sorted(line[2] for line in lines) == ["0", "1"], result.stdout
     for _, _, _, ns, ifname, seconds, value in lines:

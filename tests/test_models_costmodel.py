@@ -22,8 +22,13 @@ from pacmpi.bench.models import (
 from pacmpi.buckets import DEFAULT_BUCKET_BYTES
 from pacmpi.costmodel import (
     DEFAULT_FIT,
+    PEERS,
     calibrate,
+    compare,
+    peer_step_seconds,
+    powersgd_values,
     predict,
+    predict_main,
     step_seconds,
     validate,
     workload,
@@ -96,8 +101,18 @@ def test_bad_input_is_named():
             predict(DEFAULT_FIT, ranks=ranks, link="1gbit", method="pactrain", nbytes=1 << 20)
     with pytest.raises(ValueError, match="bad link rate 'fast'"):
         parse_rate("fast")
-    with pytest.raises(ValueError, match="method 'topk' is not available here"):
-        predict(DEFAULT_FIT, ranks=4, link="1gbit", method="topk", nbytes=1 << 20)
+    with pytest.raises(ValueError, match="unknown method 'top-k'"):
+        predict(DEFAULT_FIT, ranks=4, link="1gbit", method="top-k", nbytes=1 << 20)
+    with pytest.raises(ValueError, match="method 'dense' is not available here"):
+        peer_step_seconds(DEFAULT_FIT, method="dense", ranks=4, link_bps=8 * GBIT,
+                          shapes=[(10,)], buckets=1)
+    with pytest.raises(ValueError, match="powersgd compresses matrices: give a model"):
+        predict(DEFAULT_FIT, ranks=4, link="1gbit", method="powersgd", nbytes=1 << 20)
+    with pytest.raises(ValueError, match="topk is modelled flat"):
+        predict(DEFAULT_FIT, ranks=4, link="1gbit", method="topk", nbytes=1 << 20,
+                hierarchical=True)
+    with pytest.raises(ValueError, match="topk_ratio must be in \\(0, 1\\], got 0"):
+        predict(DEFAULT_FIT, ranks=4, link="1gbit", method="topk", nbytes=1 << 20, topk_ratio=0)
     with pytest.raises(ValueError, match="6 ranks do not fill 4 nodes"):
         predict(DEFAULT_FIT, ranks=6, nodes=4, link="1gbit", method="pactrain", nbytes=1 << 20)
 
@@ -193,6 +208,85 @@ def test_ternary_bits_grow_with_the_ring_and_hierarchy_uses_nodes():
     grows = [step_seconds(DEFAULT_FIT, ranks=n, link_bps=8 * GBIT, method="pactrain-ternary",
                           **CASE)["bits_per_value"] for n in (2, 16, 128, 1024)]
     assert grows == sorted(grows) and grows[-1] > 4 * grows[0] / 2
+
+
+def test_peers_match_hand_computed_values():
+    # 4 ranks, one per node, at 1 Gbit/s nominal (a = 0, eta = 1), then with a = 1 ms.
+    def peer(method, shapes, fit=DEFAULT_FIT, **kw):
+        return peer_step_seconds(fit, method=method, ranks=4, link_bps=8 * GBIT, shapes=shapes,
+                                 buckets=1, **kw)
+
+    topk = peer("topk", [(1_000_000,)], topk_ratio=0.01)
+    # 10 000 (int64 index, float32 value) pairs; an all-gather puts the other 3 ranks'
+    # payloads on every node link.
+    assert topk["wire_bytes"] == 120_000 and topk["collective"] == "allgather"
+    assert topk["network_s"] == pytest.approx(3 * 120_000 / GBIT)
+    # Negative control: a ring all-reduce of the same payload carries 2(P-1)/P = 1.5 of it.
+    assert topk["network_s"] != pytest.approx(1.5 * 120_000 / GBIT)
+    assert peer("dgc", [(1000,), (10,)], dgc_ratio=0.001)["wire_bytes"] == 24  # 1 per tensor
+    terngrad = peer("terngrad", [(1_000_001,), (3,)])
+    assert terngrad["wire_bytes"] == 250_001 + 8  # 2-bit codes, 4 per byte; 2 fp32 scales
+    shared = peer_step_seconds(DEFAULT_FIT, method="terngrad", ranks=4, link_bps=8 * GBIT,
+                               shapes=[(1_000_001,), (3,)], buckets=1, topology="shared")
+    assert shared["network_s"] == pytest.approx(4 * 3 * 250_009 / GBIT)  # all through one link
+    # PowerSGD rank 4: conv 64x(3*7*7) -> (64 + 147) * 4 = 844 values; a vector whole; 10x10
+    # whole, since (10 + 10) * 4 * 2 > 100 (torch's min_compression_rate).
+    shapes = [(64, 3, 7, 7), (64,), (10, 10)]
+    assert powersgd_values(shapes, 4) == 844 + 64 + 100
+    assert powersgd_values(shapes, 1) == (64 + 147) + 64 + (10 + 10)
+    slow = dict(DEFAULT_FIT, latency_s=1e-3)
+    powersgd = peer("powersgd", shapes, fit=slow, powersgd_rank=4)
+    assert powersgd["wire_bytes"] == 4 * 1008 and powersgd["collective"] == "allreduce"
+    assert powersgd["network_s"] == pytest.approx(4 * 1008 * 1.5 / GBIT)
+    assert powersgd["latency_s"] == pytest.approx(1e-3 * 3 * 2 * 3)  # 3 all-reduces, 6 steps
+    assert peer("topk", [(1000,)], fit=slow)["latency_s"] == pytest.approx(1e-3 * 2 * 3)
+
+
+def test_peer_invariants_bandwidth_and_ranks():
+    fit = dict(DEFAULT_FIT, latency_s=1e-4)
+    for ranks in (8, 64):
+        slower = None
+        for link in ("100mbit", "1gbit", "10gbit"):  # every method faster on a faster link
+            times = {row["method"]: row["seconds"] for row in
+                     compare(fit, ranks=ranks, link=link, model="resnet50", density=0.2)}
+            assert set(times) == set(PEERS) | set(ALLREDUCE_METHODS)
+            if slower is not None:
+                assert all(times[m] < slower[m] for m in times), (link, times, slower)
+            slower = times
+    # With ranks, an all-gather's bytes per link grow as P - 1; the ring all-reduce's 2(P-1)/P
+    # saturates below 2, so the dense step barely grows while TopK's grows 146x.
+    def network(method, ranks):
+        return predict(DEFAULT_FIT, ranks=ranks, link="1gbit", method=method,
+                       model="resnet50")["network_s"]
+    for method in PEERS:
+        times = [predict(fit, ranks=n, link="1gbit", method=method, model="resnet50")["seconds"]
+                 for n in (2, 8, 64, 1024)]
+        assert times == sorted(times), method
+    assert network("topk", 1024) / network("topk", 8) == pytest.approx(1023 / 7)
+    assert network("dense", 1024) / network("dense", 8) == pytest.approx(
+        (2 * 1023 / 1024) / (2 * 7 / 8))
+    assert network("dense", 1024) / network("dense", 8) < 1.15 < network("topk", 1024) / \
+        network("topk", 8)
+    assert network("powersgd", 1024) / network("powersgd", 8) < 1.15  # an all-reduce too
+
+
+def test_predict_compare_names_the_winner_and_the_calibration(capsys):
+    argv = ["--ranks", "8", "--link", "1gbit", "--model", "resnet50", "--density", "0.2",
+            "--compare"]
+    assert predict_main(argv + ["--fit", "none"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("calibration: none (the uncalibrated model")
+    rows = [line.split() for line in lines[2:-1]]
+    assert sorted(row[0] for row in rows) == sorted(PEERS + ALLREDUCE_METHODS)
+    seconds = [float(row[-6]) for row in rows]
+    assert seconds == sorted(seconds)
+    assert lines[-1].startswith(f"fastest: {rows[0][0]} ")
+    fit = os.path.join(os.path.dirname(__file__), "..", "results", "costmodel_fit.json")
+    assert predict_main(argv + ["--fit", fit, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["calibration"].startswith(f"calibration: {fit}, fitted on 4 runs")
+    assert "held-out points within 15%: star 7/18" in doc["calibration"]
+    assert [row["seconds"] for row in doc["rows"]] == sorted(row["seconds"] for row in doc["rows"])
 
 
 def test_speedups_are_ratios_of_step_times():
@@ -297,7 +391,9 @@ def test_calibrate_and_predict_commands_round_trip(tmp_path):
     assert done.returncode == 0, done.stderr
     expected = predict(fit, ranks=64, nodes=8, link="10gbit", model="bert-base", density=0.2,
                        method="pactrain-ternary", hierarchical=True, compute_s=0.2)
-    assert json.loads(done.stdout) == pytest.approx(expected)
+    got = json.loads(done.stdout)
+    assert got.pop("calibration").startswith(f"calibration: {out}, fitted on ")
+    assert got == pytest.approx(expected)
 
 
 def test_bench_allreduce_model_sends_what_the_cost_model_counts(tmp_path):
@@ -308,11 +404,13 @@ def test_bench_allreduce_model_sends_what_the_cost_model_counts(tmp_path):
                              "--iters", "1", "--warmup", "0", "--link", "1gbit",
                              "--json", str(out)]
     done = run_bounded(argv, timeout=240, what="bench allreduce --model resnet50",
-                       env=dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1"))
+                       env=dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1",
+                                OMPI_MCA_coll_tuned_use_dynamic_rules="1",
+                                OMPI_MCA_coll_tuned_allreduce_algorithm="4"))  # pacmpi-run's pin
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(out.read_text())
     assert (doc["model"], doc["link"], doc["ranks"]) == ("resnet50", "1gbit", 2)
-    assert doc["allreduce_algorithm"] == "ring"  # --link pins the ring the model describes
+    assert doc["allreduce_algorithm"] == "ring"  # as Open MPI read it back: what the ranks ran
     values, kept, buckets = workload(model="resnet50", density=0.2)
     for row in doc["rows"]:
         assert row["wrong"] == 0 and row["buckets"] == buckets and row["count"] == values

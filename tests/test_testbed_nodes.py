@@ -21,6 +21,7 @@ from mpi_util import MPI_SCRIPTS, netns_skip_reason
 from test_launch import (
     EXIT_BOUND_S,
     INHERITED,
+    RING_OMPI,
     fake_launcher,
     netns_names,
     pacmpi_run_with_ranks_up,
@@ -90,12 +91,15 @@ def test_dry_run_prints_every_setup_command(capsys, monkeypatch):
         f"# note: host file {workdir}/hostfile-2: node0 slots=2 (198.18.0.1), "
         "node1 slots=2 (198.18.0.2)",
         f"# note: plm_rsh_agent {workdir}/rsh-agent: runs each node's Open MPI daemon in its "
-        "namespace (ip netns exec NODE_NAMESPACE unshare --uts ...)"]
+        "namespace (ip netns exec NODE_NAMESPACE unshare --uts ...)",
+        "# note: the test bed's calibration measured the ring all-reduce: every rank gets "
+        f"{' '.join(RING_OMPI)} (--allreduce-algorithm default leaves the choice to Open MPI)"]
     mpirun = str(Path(PY).parent / "mpirun")
     assert lines[-1] == (
         f"ip netns exec {n0} unshare --uts sh -c 'hostname \"$0\" && exec \"$@\"' node0 "
         f"{mpirun} -n 4 --output tag --hostfile {workdir}/hostfile-2 --bind-to none "
-        "--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 198.18.0.0/15 "
+        f"-x {RING_OMPI[0]} -x {RING_OMPI[1]} --mca pml ob1 --mca btl tcp,self "
+        "--mca btl_tcp_if_include 198.18.0.0/15 "
         f"--mca oob_tcp_if_include 198.18.0.0/15 --mca plm_rsh_agent {workdir}/rsh-agent "
         "--mca btl_tcp_links 2 --mca btl_tcp_eager_limit 1048576 "
         "--mca btl_tcp_rndv_eager_limit 1048576 --mca btl_tcp_max_send_size 1048576 python t.py")
@@ -200,6 +204,7 @@ def test_ranks_land_on_their_nodes_and_sum_exactly(nodes, per_node):
         assert (line["host"], line["namespace"]) == (node["host"], node["namespace"]), line
         assert line["addresses"] == ["127.0.0.1", node["address"]]  # lo and its one link
         assert (line["size"], line["local_size"], line["exact"]) == (n, per_node, True), line
+        assert line["algorithm"] == "ring", line  # the pin reached the remote nodes' ranks
     assert [node["host"] for node in result.nodes] == [f"node{i}" for i in range(nodes)]
     assert netns_names() <= before
 

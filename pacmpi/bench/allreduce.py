@@ -13,7 +13,6 @@ the reducer's ``bucket_bytes`` (25 MiB, like DDP) filled in gradient-ready (reve
 dense baselines all-reduce the same buckets, and fp16's "codec" is its two casts.
 """
 import argparse
-import os
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ import numpy as np
 from .. import kernels
 from ..arrays import to_host
 from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
-from ..collectives import default_collectives
+from ..collectives import allreduce_algorithm, default_collectives
 from ..hierarchy import HierarchicalCollectives
 from ..methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from ..reducer import PacTrainReducer
@@ -230,7 +229,8 @@ def build_parser(parser=None):
                              "(global magnitude masks, 25 MiB fusion buckets by default)")
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="the link rate this job runs on (e.g. 100mbit), only recorded in "
-                             "the JSON for `pacmpi model calibrate`; pacmpi-run does the shaping")
+                             "the JSON for `pacmpi model calibrate`, with the all-reduce "
+                             "algorithm MPI ran; pacmpi-run does the shaping and pins the ring")
     parser.add_argument("--topology", choices=("shared", "star"), default="shared",
                         help="the test bed's topology, recorded with --link (default %(default)s)")
     parser.add_argument("--nodes", type=int, default=None,
@@ -266,25 +266,15 @@ def local_rank():
         node.Free()
 
 
-_RING_MCA = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
-             "OMPI_MCA_coll_tuned_allreduce_algorithm": "4"}
-
-
 def _algorithm():
-    """Open MPI's all-reduce algorithm this job ran: "ring" when pinned, else as set."""
-    if all(os.environ.get(k) == v for k, v in _RING_MCA.items()):
-        return "ring"
-    return os.environ.get("OMPI_MCA_coll_tuned_allreduce_algorithm", "default")
+    """The all-reduce algorithm the MPI library ran (``pacmpi-run --link/--nodes`` pins the
+    ring the cost model describes), read back from the library: "unknown" when it cannot say."""
+    from mpi4py import MPI
+    return allreduce_algorithm(MPI) or "unknown"
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.link:
-        # The cost model charges a ring's 2(n-1)/n per link; Open MPI's default algorithm took
-        # 1.73x as long on the star bed, so a --link run pins the ring (as pacmpi-run's
-        # calibration does) unless the job set an algorithm. Read at MPI_Init, not yet called.
-        for name, value in _RING_MCA.items():
-            os.environ.setdefault(name, value)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     densities = [float(d) for d in args.densities.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]

@@ -4,7 +4,8 @@ Usage: nodes_probe.py [KILL_RANK]
 
 Every rank prints one line ``NODEPROBE {json}``: its rank, world size, host name, network
 namespace, IPv4 addresses, the size of its node-local communicator (MPI's view of "same
-node"), and whether a float64 all-reduce of integer-valued data equalled the exact sum.
+node"), whether a float64 all-reduce of integer-valued data equalled the exact sum, and the
+all-reduce algorithm the MPI library was told to use (read back from it through MPI_T).
 With KILL_RANK, that rank SIGKILLs itself before any communication and the rest wait,
 touching no peer: the launcher has to end the job and report the dead rank. (Waiting in a
 barrier instead raced: a rank's connection to the dead one is refused, and its own abort could
@@ -19,6 +20,8 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+
+from pacmpi.collectives import allreduce_algorithm
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -42,4 +45,5 @@ print("NODEPROBE " + json.dumps({
     "rank": rank, "size": size, "host": MPI.Get_processor_name(), "namespace": namespace,
     "addresses": sorted(a.split("/")[0] for i, a in enumerate(addresses)
                         if addresses[i - 1] == "inet"),
-    "local_size": local.Get_size(), "exact": exact}), flush=True)
+    "local_size": local.Get_size(), "exact": exact,
+    "algorithm": allreduce_algorithm(MPI)}), flush=True)
