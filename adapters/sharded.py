@@ -103,3 +103,58 @@ class ShardedOptimizer:
         with torch.no_grad():
             self.reducer.step(grads, self._weights(), update, as_array(self.shard.data))
         self.shard.grad = None
+
+    # ------------------------------------------------------------------ state
+    def _sharded_keys(self, state):
+        """Names of the per-coordinate state entries (shaped like the shard: Adam's moments,
+        momentum), the same on every rank or a ValueError on every rank."""
+        mine = sorted(k for k, v in state.items()
+                      if torch.is_tensor(v) and v.shape == self.shard.shape)
+        every = self.collectives.allgather_object(mine)
+        if any(keys != every[0] for keys in every):
+            raise ValueError(f"ranks shard different optimizer state entries: {every}")
+        return mine
+
+    def state_dict(self):
+        """The optimizer's state with every per-coordinate entry gathered from the shards into
+        one packed vector of all survivors (the same at any world size), its
+        hyper-parameters, and the engine's state (step, tracker, counters). Collective; every
+        rank returns the same, so any rank may save it."""
+        saved = self.optimizer.state_dict()
+        state = saved["state"].get(0, {})
+        layout = self.reducer.layout
+        sharded, full = self._sharded_keys(state), {}
+        for key in state:
+            value = state[key].detach().cpu() if torch.is_tensor(state[key]) else state[key]
+            full[key] = value.clone() if torch.is_tensor(value) else value
+        for key in sharded:
+            packed = torch.zeros(layout.total, dtype=full[key].dtype)
+            packed[layout.start:layout.stop] = full[key]
+            self.collectives.allgather(as_array(packed), layout.counts)
+            full[key] = packed
+        return {"survivors": layout.total, "world_size": self.collectives.size,
+                "engine": self.reducer.state_dict(),
+                "optimizer": {"state": full, "param_groups": saved["param_groups"],
+                              "sharded": sharded}}
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output, at this world size or another: each rank takes
+        its shard of the packed vectors. The masks must be the checkpoint's. Collective; a
+        checkpoint that does not fit raises on every rank together."""
+        layout = self.reducer.layout
+
+        def check():
+            if state["survivors"] != layout.total:
+                raise ValueError(f"checkpoint has {state['survivors']} surviving weights, this "
+                                 f"model's masks keep {layout.total}")
+
+        run_together(self.collectives, check)
+        self.reducer.load_state_dict(state["engine"])
+        saved = state["optimizer"]
+        # Copies: torch's load_state_dict keeps some tensors (Adam's step) as given and steps
+        # them in place, which would change the caller's checkpoint.
+        mine = {key: (value[layout.start:layout.stop] if key in saved["sharded"] else value)
+                .clone() if torch.is_tensor(value) else value
+                for key, value in saved["state"].items()}
+        self.optimizer.load_state_dict({"state": {0: mine} if mine else {},
+                                        "param_groups": saved["param_groups"]})
