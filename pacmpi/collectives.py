@@ -61,7 +61,7 @@ class Collectives:
         ``counts`` elements (uneven and zero counts allowed); ``out`` has ``counts[rank]``.
         This fallback all-reduces a copy of the whole buffer, so a transport without a
         reduce-scatter still works, at all-reduce cost; MPI's is a true reduce-scatter."""
-        start, stop = _block(counts, self.rank, buf, out)
+        start, stop = check_blocks(self, counts, buf, out)
         whole = buf.copy()
         self.allreduce(whole, op, name=name)
         out[...] = whole[start:stop]
@@ -71,8 +71,8 @@ class Collectives:
         rank's; afterwards every block holds its owner's values. Only moves bits (no
         arithmetic, so -0.0 and NaN payloads survive). This fallback broadcasts each block
         from its owner; MPI's is one all-gather."""
-        _block(counts, self.rank, buf)
-        for root, (start, stop) in enumerate(_bounds(counts)):
+        check_blocks(self, counts, buf)
+        for root, (start, stop) in enumerate(block_bounds(counts)):
             if stop > start:
                 self.bcast(buf[start:stop], root=root,
                            name=None if name is None else f"{name}.{root}")
@@ -82,21 +82,25 @@ class Collectives:
         raise NotImplementedError
 
 
-def _bounds(counts):
+def block_bounds(counts):
     """``[(start, stop)]`` of consecutive blocks of ``counts`` elements."""
     stops = np.cumsum(counts, dtype=np.int64)
     return [(int(stop - count), int(stop)) for count, stop in zip(counts, stops)]
 
 
-def _block(counts, rank, buf, out=None):
-    """``(start, stop)`` of block ``rank``; ValueError naming the sizes when ``counts`` does
-    not split ``buf`` (or does not fit ``out``)."""
+def check_blocks(collectives, counts, buf, out=None):
+    """``(start, stop)`` of ``collectives.rank``'s block, for the transports' reduce_scatter and
+    allgather; ValueError naming the sizes when ``counts`` is not one count per rank that
+    splits ``buf`` (and gives ``out`` its size)."""
     counts = [int(c) for c in counts]
+    rank = collectives.rank
+    if len(counts) != collectives.size:
+        raise ValueError(f"{len(counts)} counts for {collectives.size} ranks")
     if min(counts, default=0) < 0 or sum(counts) != buf.size:
         raise ValueError(f"counts {counts} do not split a buffer of {buf.size} elements")
     if out is not None and out.size != counts[rank]:
         raise ValueError(f"rank {rank}'s block has {counts[rank]} elements, out has {out.size}")
-    return _bounds(counts)[rank]
+    return block_bounds(counts)[rank]
 
 
 class _MPIRequest:
@@ -295,9 +299,7 @@ class MPICollectives(Collectives):
                 self.comm.Bcast(buf, root=root)
 
     def reduce_scatter(self, buf, out, counts, op="sum", name=None):
-        if len(counts) != self.size:
-            raise ValueError(f"{len(counts)} counts for {self.size} ranks")
-        _block(counts, self.rank, buf, out)
+        check_blocks(self, counts, buf, out)
         if self._needs_staging(buf):
             synchronize(array_module(buf))
             host = np.empty(out.shape, dtype=out.dtype)
@@ -315,9 +317,7 @@ class MPICollectives(Collectives):
                 self.comm.Reduce_scatter(spec, received, counts, mpi_op)
 
     def allgather(self, buf, counts, name=None):
-        if len(counts) != self.size:
-            raise ValueError(f"{len(counts)} counts for {self.size} ranks")
-        _block(counts, self.rank, buf)
+        check_blocks(self, counts, buf)
         if is_device_array(buf) and not self.cuda_aware:
             synchronize(array_module(buf))
             host = buf.get()
@@ -326,7 +326,7 @@ class MPICollectives(Collectives):
             return
         synchronize(array_module(buf))
         counts = [int(c) for c in counts]
-        displacements = [start for start, _ in _bounds(counts)]
+        displacements = [start for start, _ in block_bounds(counts)]
         spec = [buf, (counts, displacements)]
         if np.dtype(buf.dtype) in half_dtypes():  # bits only, as in bcast: 16-bit words
             spec.append(self._MPI.UINT16_T)

@@ -65,7 +65,8 @@ class ShardLayout:
                 self._members.append((m, m.offset, m.offset + m.size, None))
                 continue
             xp = array_module(indices)
-            lo, hi = (int(i) for i in xp.searchsorted(indices, [m.offset, m.offset + m.size]))
+            bounds = xp.asarray([m.offset, m.offset + m.size])
+            lo, hi = (int(i) for i in xp.searchsorted(indices, bounds))
             self._members.append((m, lo, hi, indices[lo:hi] - m.offset))
 
     @property

@@ -13,9 +13,11 @@ this order under mpirun (tests/test_sharded.py), each reported on its own.
 """
 import hashlib
 import io
+import socket
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
 
@@ -28,6 +30,7 @@ from pacmpi import (
 )
 from pacmpi.adapters.convert import as_array
 from pacmpi.adapters.sharded import ShardedOptimizer
+from pacmpi.adapters.torch_collectives import TorchDistCollectives
 from pacmpi.adapters.torch_sync import PacTrainSync
 from pacmpi.arrays import supported_float_dtypes
 from pacmpi.sharded import ShardedReducer, balanced_counts
@@ -55,6 +58,19 @@ class BroadcastOnly(Collectives):
         return self._mpi.allgather_object(obj)
 
 
+def gloo_group():
+    """torch.distributed (gloo) over the same ranks, on a port rank 0 found free."""
+    if not dist.is_initialized():
+        port = None
+        if rank == 0:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{comm.bcast(port)}",
+                                rank=rank, world_size=size)
+    return TorchDistCollectives()
+
+
 def count_cases():
     """Per-rank counts: even, uneven, a rank with none, fewer elements than ranks, nothing."""
     return [[3] * size, [r % 3 for r in range(size)], [0] + [2] * (size - 1),
@@ -78,7 +94,7 @@ def same_on_every_rank(arrays):
 
 
 def test_collectives_match_reference():
-    for transport in (MPICollectives(), BroadcastOnly()):
+    for transport in (MPICollectives(), BroadcastOnly(), gloo_group()):
         for dtype in supported_float_dtypes():
             for counts in count_cases():
                 total, start = sum(counts), sum(counts[:rank])
@@ -235,7 +251,8 @@ def test_sharded_optimizer_equals_pactrain_sync():
             sync.remove()
 
             model = heads(masks)
-            sharded = ShardedOptimizer(model, cls, masks=masks, **kwargs)
+            transport = gloo_group() if name == "adam" else None
+            sharded = ShardedOptimizer(model, cls, masks=masks, collectives=transport, **kwargs)
             train(model, sharded, sharded.step)
             for (pname, a), b in zip(model.named_parameters(), replicated.parameters()):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (kind, name, pname)
