@@ -95,30 +95,35 @@ def same_on_every_rank(arrays):
 
 def test_collectives_match_reference():
     for transport in (MPICollectives(), BroadcastOnly(), gloo_group()):
-        for dtype in supported_float_dtypes():
-            for counts in count_cases():
-                total, start = sum(counts), sum(counts[:rank])
-                stop = start + counts[rank]
-                values = [np.random.default_rng(100 * r + total).integers(-9, 10, total)
-                          for r in range(size)]
-                buf = values[rank].astype(dtype)
-                out = np.full(counts[rank], np.nan, dtype=dtype)
-                transport.reduce_scatter(buf, out, counts)
-                expected = np.sum(values, axis=0)[start:stop].astype(dtype)
-                assert np.array_equal(out, expected), (type(transport), dtype, counts)
-                assert np.array_equal(buf, values[rank].astype(dtype))  # only read
-                gathered = np.full(total, np.nan, dtype=dtype)
-                gathered[start:stop] = buf[start:stop]
-                gathered[start:stop][:1] = -0.0  # bits, not arithmetic: -0.0 survives
-                transport.allgather(gathered, counts)
-                expected = np.concatenate([values[r][sum(counts[:r]):sum(counts[:r + 1])]
-                                           for r in range(size)]).astype(dtype)
-                starts = [sum(counts[:r]) for r in range(size) if counts[r]]
-                expected[starts] = -0.0
-                assert gathered.tobytes() == expected.tobytes(), (type(transport), counts)
-        # Negative control: counts that do not split the buffer name it.
-        expect_raise(ValueError, lambda: transport.reduce_scatter(
-            np.zeros(5), np.zeros(1), [1] * size), "do not split")
+        check_transport(transport)
+
+
+def check_transport(transport):
+    """reduce_scatter and allgather of ``transport`` against NumPy, bit for bit."""
+    for dtype in supported_float_dtypes():
+        for counts in count_cases():
+            total, start = sum(counts), sum(counts[:rank])
+            stop = start + counts[rank]
+            values = [np.random.default_rng(100 * r + total).integers(-9, 10, total)
+                      for r in range(size)]
+            buf = values[rank].astype(dtype)
+            out = np.full(counts[rank], np.nan, dtype=dtype)
+            transport.reduce_scatter(buf, out, counts)
+            expected = np.sum(values, axis=0)[start:stop].astype(dtype)
+            assert np.array_equal(out, expected), (type(transport), dtype, counts)
+            assert np.array_equal(buf, values[rank].astype(dtype))  # only read
+            gathered = np.full(total, np.nan, dtype=dtype)
+            gathered[start:stop] = buf[start:stop]
+            gathered[start:stop][:1] = -0.0  # bits, not arithmetic: -0.0 survives
+            transport.allgather(gathered, counts)
+            expected = np.concatenate([values[r][sum(counts[:r]):sum(counts[:r + 1])]
+                                       for r in range(size)]).astype(dtype)
+            starts = [sum(counts[:r]) for r in range(size) if counts[r]]
+            expected[starts] = -0.0
+            assert gathered.tobytes() == expected.tobytes(), (type(transport), counts)
+    # Negative control: counts that do not split the buffer name it.
+    expect_raise(ValueError, lambda: transport.reduce_scatter(
+        np.zeros(5), np.zeros(1), [1] * size), "do not split")
 
 
 def test_balanced_counts():
