@@ -19,6 +19,12 @@ pruning schedule moves the masks; a sharded optimizer needs those positions anyw
 state lives on the survivors. Unmasked arrays (and masks that keep everything) are shards of
 all their elements.
 
+Transports: MPI's ``Reduce_scatter``/``Allgatherv`` (:class:`pacmpi.MPICollectives`), torch's
+uneven ``reduce_scatter`` and a padded ``all_gather_single``
+(:class:`pacmpi.adapters.torch_collectives.TorchDistCollectives`), Horovod's ``reducescatter``
+(whose split is :func:`balanced_counts`) and ``allgather``; any other :class:`Collectives`
+falls back to an all-reduce and broadcasts (correct, at all-reduce cost).
+
 Lossless only for now. Ternary would fit the reduce-scatter half: codes of several ranks are
 summed in integer words (:mod:`pacmpi.ternary`), and a reduce-scatter sums words like an
 all-reduce does, so each rank would decode the summed codes of its shard. The all-gather half
@@ -186,10 +192,11 @@ class ShardedReducer:
         same = (packed is not None and mine is not None and packed.size == mine.size
                 and bool(array_module(mine).array_equal(packed, mine)))
         if not same:
+            keep = self._reducer.layout.buckets[0].size if packed is None else packed.size
             raise ValueError(
-                f"the agreed masks keep {self.layout.total if packed is None else packed.size}"
-                f" coordinates at step {self.engine.step}, not the {self.layout.total} this "
-                "reducer shards: masks are fixed for a sharded reducer's life")
+                f"the agreed masks changed at step {self.engine.step} (they keep {keep} "
+                f"coordinates; this reducer shards the {self.layout.total} its masks kept at "
+                "construction): masks are fixed for a sharded reducer's life")
         self.layout.indices = packed  # identical: from now on an identity test
 
     def reduce_scatter(self, grads, params=None, out=None):

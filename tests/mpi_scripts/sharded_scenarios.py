@@ -152,46 +152,50 @@ def mask_cases():
 
 def test_reducer_matches_replicated():
     """A momentum update on the shard equals the same update on full, all-reduced arrays."""
-    for transport in (None, BroadcastOnly()):
-        for name, masks in mask_cases().items():
-            for average in (True, False):
-                rng = np.random.default_rng(3)  # same weights on every rank
-                start = [rng.integers(-4, 5, s).astype(np.float32) for s in SHAPES]
-                for w, m in zip(start, masks):
-                    if m is not None:
-                        w[~m] = 0
-                start[3][0] = 5.0  # a pruned weight that is not zero is left as it is
-                replicated = [w.copy() for w in start]
-                sharded = [w.copy() for w in start]
-                full = PacTrainReducer(masks, average=average, shapes=SHAPES,
-                                       dtypes=[np.float32] * len(SHAPES))
-                red = ShardedReducer(masks, collectives=transport, average=average,
-                                     shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
-                velocity_full = [np.zeros(s, np.float32) for s in SHAPES]
-                velocity = np.zeros(red.layout.shard_size, np.float32)
+    cases = [(None, name, average, np.dtype(np.float32)) for name in mask_cases()
+             for average in (True, False)]
+    cases += [(None, "mixed", True, dtype) for dtype in supported_float_dtypes()
+              if dtype != np.float32]
+    cases.append((BroadcastOnly(), "mixed", True, np.dtype(np.float32)))
+    for transport, name, average, dtype in cases:
+        masks = mask_cases()[name]
+        rng = np.random.default_rng(3)  # same weights on every rank
+        start = [rng.integers(-4, 5, s).astype(dtype) for s in SHAPES]
+        for w, m in zip(start, masks):
+            if m is not None:
+                w[~m] = 0
+        start[3][0] = 5.0  # a pruned weight that is not zero is left as it is
+        replicated = [w.copy() for w in start]
+        sharded = [w.copy() for w in start]
+        full = PacTrainReducer(masks, average=average, shapes=SHAPES,
+                               dtypes=[dtype] * len(SHAPES))
+        red = ShardedReducer(masks, collectives=transport, average=average,
+                             shapes=SHAPES, dtypes=[dtype] * len(SHAPES))
+        velocity_full = [np.zeros(s, dtype) for s in SHAPES]
+        velocity = np.zeros(red.layout.shard_size, dtype)
 
-                def update(grad, weight):
-                    velocity[...] = np.float32(0.5) * velocity + grad
-                    weight -= np.float32(0.25) * velocity
+        def update(grad, weight):
+            velocity[...] = dtype.type(0.5) * velocity + grad
+            weight -= dtype.type(0.25) * velocity
 
-                for step in range(STEPS):
-                    rng = np.random.default_rng(100 * step + rank)
-                    grads = [rng.integers(-8, 9, s).astype(np.float32) for s in SHAPES]
-                    local = [g.copy() for g in grads]
-                    full.reduce(grads)
-                    for w, v, g in zip(replicated, velocity_full, grads):
-                        v[...] = np.float32(0.5) * v + g
-                        w -= np.float32(0.25) * v
-                    red.step(local, sharded, update)
-                    for i, (a, b) in enumerate(zip(sharded, replicated)):
-                        assert a.tobytes() == b.tobytes(), (name, average, step, i, a, b)
-                    same_on_every_rank(sharded)
-                assert red.layout.counts == balanced_counts(red.layout.total, size)
-                assert sum(comm.allgather(red.layout.shard_size)) == red.layout.total
-                assert red.stats["steps"] == STEPS
-                if name == "few":
-                    assert min(red.layout.counts) == 0  # a rank owned nothing
-                assert sharded[3][0] == 5.0 or masks[3] is None or masks[3][0]
+        for step in range(STEPS):
+            rng = np.random.default_rng(100 * step + rank)
+            grads = [rng.integers(-8, 9, s).astype(dtype) for s in SHAPES]
+            local = [g.copy() for g in grads]
+            full.reduce(grads)
+            for w, v, g in zip(replicated, velocity_full, grads):
+                v[...] = dtype.type(0.5) * v + g
+                w -= dtype.type(0.25) * v
+            red.step(local, sharded, update)
+            for i, (a, b) in enumerate(zip(sharded, replicated)):
+                assert a.tobytes() == b.tobytes(), (name, average, dtype, step, i, a, b)
+            same_on_every_rank(sharded)
+        assert red.layout.counts == balanced_counts(red.layout.total, size)
+        assert sum(comm.allgather(red.layout.shard_size)) == red.layout.total
+        assert red.stats["steps"] == STEPS
+        if name == "few":
+            assert min(red.layout.counts) == 0  # a rank owned nothing
+        assert sharded[3][0] == 5.0 or masks[3][0]
 
 
 class Heads(nn.Module):
