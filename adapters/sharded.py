@@ -45,6 +45,10 @@ class ShardedOptimizer:
     comm, collectives, average, verify_every, abort_on_error:
         As for :class:`pacmpi.sharded.ShardedReducer`; ``comm`` defaults to a duplicate of
         ``COMM_WORLD``.
+
+    ``self.optimizer`` is the inner optimizer (give it to an LR scheduler). ``p.grad`` keeps
+    this rank's own gradient: only the shard's is reduced, so clipping by the global norm
+    needs the shard's norms summed over ranks (not provided yet).
     """
 
     def __init__(self, model, optimizer_class, *, masks=None, comm=None, collectives=None,
