@@ -7,6 +7,8 @@
 - :mod:`.horovod`: ``PacTrainCompressor`` for ``hvd.DistributedOptimizer(compression=...)``.
 - :mod:`.torch_sync`: ``PacTrainSync`` for raw PyTorch loops over mpi4py, and the broadcasts
   that start such a loop.
+- :mod:`.sharded`: ``ShardedOptimizer``, ZeRO-1 style: any optimizer over this rank's shard of
+  the surviving weights, fed by PacTrain's packed reduce-scatter.
 - :mod:`.pruning`: ``prune`` (magnitude, GraSP), ``GradualPruningSchedule``, ``MaskEnforcer``
   (gradient sparsity enforcement) and ``torch.nn.utils.prune`` interop.
 - :mod:`.checkpoint`: atomic, resumable checkpoints of weights, masks and reducer state.
@@ -16,5 +18,5 @@ Submodules are imported on demand so ``import pacmpi.adapters`` stays cheap and 
 only loaded by the code that uses it. The training job, benchmarks and baselines live in
 :mod:`pacmpi.experiments`.
 """
-__all__ = ["ddp", "lightning", "huggingface", "horovod", "torch_sync", "pruning", "checkpoint",
-           "convert"]
+__all__ = ["ddp", "lightning", "huggingface", "horovod", "torch_sync", "sharded", "pruning",
+           "checkpoint", "convert"]

@@ -6,6 +6,8 @@ import torch
 
 from pacmpi import Collectives
 from pacmpi.adapters.convert import as_tensor
+from pacmpi.collectives import check_blocks
+from pacmpi.sharded import balanced_counts
 
 __all__ = ["HorovodCollectives", "summable"]
 
@@ -86,6 +88,29 @@ class HorovodCollectives(Collectives):
 
     def bcast(self, buf, root=0, name=None):
         _hvd().broadcast_(as_tensor(buf), root_rank=root, name=self._name("bcast", name))
+
+    def reduce_scatter(self, buf, out, counts, op="sum", name=None):
+        """Horovod's reduce-scatter splits as :func:`pacmpi.sharded.balanced_counts` does
+        (the first ``total % size`` ranks take one more); other splits, and MAX, which it
+        lacks, take the interface's all-reduce fallback."""
+        check_blocks(self, counts, buf, out)
+        if not buf.size:
+            return None
+        if op != "sum" or [int(c) for c in counts] != balanced_counts(buf.size, self.size):
+            return super().reduce_scatter(buf, out, counts, op, name=name)
+        tensor = as_tensor(buf)
+        result = _hvd().reducescatter(summable(tensor), op=self._op(op),
+                                      name=self._name("reducescatter", name))
+        as_tensor(out).copy_(result)  # rounds a float32-staged bfloat16 sum once
+
+    def allgather(self, buf, counts, name=None):
+        start, stop = check_blocks(self, counts, buf)
+        if not buf.size:
+            return
+        tensor = as_tensor(buf)
+        # Bits only: 16-bit floats as 16-bit integers, which Horovod gathers in any version.
+        wire = tensor.view(torch.int16) if tensor.element_size() == 2 else tensor
+        wire.copy_(_hvd().allgather(wire[start:stop], name=self._name("allgather", name)))
 
     def allgather_object(self, obj, name=None):
         return _hvd().allgather_object(obj, name=self._name("gather", name))

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from pacmpi import Collectives
 from pacmpi.adapters.convert import as_tensor
+from pacmpi.collectives import block_bounds, check_blocks
 
 __all__ = ["TorchDistCollectives"]
 
@@ -34,11 +35,48 @@ class TorchDistCollectives(Collectives):
         work = call(staged)
         return SimpleNamespace(wait=lambda: (work.wait(), tensor.copy_(staged)))
 
-    def iallreduce(self, buf, op="sum", name=None):
+    @staticmethod
+    def _op(op):
         if op not in ("sum", "max"):
             raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
-        kind = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+
+    def iallreduce(self, buf, op="sum", name=None):
+        kind = self._op(op)
         return self._start(buf, lambda t: dist.all_reduce(t, kind, self.group, async_op=True))
+
+    def _device_for(self, tensor):
+        """Where ``tensor``'s data goes on the wire: ``device`` for host tensors under NCCL."""
+        return self.device if self._nccl and tensor.device.type == "cpu" else tensor.device
+
+    def _staged(self, tensor):
+        return tensor.to(self._device_for(tensor))
+
+    def reduce_scatter(self, buf, out, counts, op="sum", name=None):
+        check_blocks(self, counts, buf, out)
+        kind, target = self._op(op), as_tensor(out)
+        blocks = list(torch.split(self._staged(as_tensor(buf)), [int(c) for c in counts]))
+        result = self._staged(target)
+        dist.reduce_scatter(result, blocks, kind, group=self.group)  # uneven blocks: fine
+        if result is not target:
+            target.copy_(result)
+
+    def allgather(self, buf, counts, name=None):
+        """Blocks padded to the largest count: torch's all-gathers take equal sizes only
+        (gloo rejects uneven ones), so the wire carries up to ``size - 1`` spare elements per
+        rank."""
+        start, stop = check_blocks(self, counts, buf)
+        width = max(int(c) for c in counts)
+        if not width:
+            return
+        tensor = as_tensor(buf)
+        mine = torch.zeros(width, dtype=tensor.dtype, device=self._device_for(tensor))
+        mine[:stop - start] = tensor[start:stop]
+        gathered = mine.new_empty(self.size * width)
+        dist.all_gather_single(gathered, mine, group=self.group)
+        gathered = gathered.view(self.size, width)
+        for owner, (a, b) in enumerate(block_bounds(counts)):
+            tensor[a:b] = gathered[owner, :b - a]
 
     def allreduce(self, buf, op="sum", name=None):
         self.iallreduce(buf, op).wait()

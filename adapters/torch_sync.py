@@ -123,6 +123,32 @@ def broadcast_optimizer_state(optimizer, *, comm=None, root=0, collectives=None)
 
 
 # ---------------------------------------------------------------------------------- base
+def model_masks(model, masks):
+    """``(params, names, mask_list, mask_names)``: the model's trainable parameters in reverse
+    registration order (like DDP: the last layers' gradients arrive first), their names, a bool
+    mask tensor (a copy, on the parameter's device) or ``None`` per parameter, and
+    ``{key as given: parameter index}``. ``"fc.weight"`` also matches torch-prune's
+    ``"fc.weight_orig"``; a mask of another shape than its parameter is a ValueError."""
+    names = {}
+    for name, param in model.named_parameters():
+        names.setdefault(param, name)
+    params = [p for p in names if p.requires_grad][::-1]
+    names = [names[p] for p in params]
+    index = {name: i for i, name in enumerate(names)}
+    mask_list, mask_names = [None] * len(params), {}
+    for key, mask in (masks or {}).items():
+        # torch.nn.utils.prune keeps the gradient on "<name>_orig"; masks use "<name>".
+        i = next((index[c] for c in (key, key + "_orig") if c in index), None)
+        if i is None:
+            raise ValueError(f"mask {key!r} names no trainable parameter of the model")
+        mask = torch.as_tensor(mask).to(device=params[i].device, dtype=torch.bool).clone()
+        if mask.shape != params[i].shape:
+            raise ValueError(f"mask {key!r} has shape {tuple(mask.shape)}, parameter "
+                             f"{names[i]!r} has {tuple(params[i].shape)}")
+        mask_list[i], mask_names[key] = mask, i
+    return params, names, mask_list, mask_names
+
+
 class _HookedSync:
     """Parameter discovery, mask handling (GSE), gradient hooks, step timing and state shared by
     :class:`PacTrainSync` and the baselines of :mod:`pacmpi.experiments.baselines`. Subclasses
@@ -133,25 +159,8 @@ class _HookedSync:
         self.model = model
         self.method = method
         self.collectives = collectives
-        names = {}
-        for name, param in model.named_parameters():
-            names.setdefault(param, name)
-        # Reverse registration order, like DDP: the last layers' gradients arrive first.
-        self.params = [p for p in names if p.requires_grad][::-1]
-        self.names = [names[p] for p in self.params]
-        self._index = {name: i for i, name in enumerate(self.names)}
-        self._masks = [None] * len(self.params)
-        self._pruned = [None] * len(self.params)
-        self._mask_names = {}
-        for key, mask in (masks or {}).items():
-            i = self._resolve(key)
-            param = self.params[i]
-            mask = torch.as_tensor(mask).to(device=param.device, dtype=torch.bool).clone()
-            if mask.shape != param.shape:
-                raise ValueError(f"mask {key!r} has shape {tuple(mask.shape)}, parameter "
-                                 f"{self.names[i]!r} has {tuple(param.shape)}")
-            self._masks[i], self._pruned[i] = mask, ~mask
-            self._mask_names[key] = i
+        self.params, self.names, self._masks, self._mask_names = model_masks(model, masks)
+        self._pruned = [None if m is None else ~m for m in self._masks]
         self.dense_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self._arrays = [None] * len(self.params)
         self._seen = [False] * len(self.params)
@@ -163,13 +172,6 @@ class _HookedSync:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(self.params)]
         self._handles.append(model.register_forward_pre_hook(self._on_forward))
-
-    def _resolve(self, key):
-        # torch.nn.utils.prune keeps the gradient on "<name>_orig"; masks use "<name>".
-        for candidate in (key, key + "_orig"):
-            if candidate in self._index:
-                return self._index[candidate]
-        raise ValueError(f"mask {key!r} names no trainable parameter of the model")
 
     # ------------------------------------------------------------------ masks
     @property

@@ -54,9 +54,53 @@ class Collectives:
         read."""
         raise NotImplementedError
 
+    def reduce_scatter(self, buf, out, counts, op="sum", name=None):
+        """Reduce ``buf`` over ranks and write block ``rank`` of the result into ``out``.
+
+        ``buf`` (only read) is split into ``len(counts) == size`` consecutive blocks of
+        ``counts`` elements (uneven and zero counts allowed); ``out`` has ``counts[rank]``.
+        This fallback all-reduces a copy of the whole buffer, so a transport without a
+        reduce-scatter still works, at all-reduce cost; MPI's is a true reduce-scatter."""
+        start, stop = check_blocks(self, counts, buf, out)
+        whole = buf.copy()
+        self.allreduce(whole, op, name=name)
+        out[...] = whole[start:stop]
+
+    def allgather(self, buf, counts, name=None):
+        """In place: block ``rank`` of ``buf`` (split as in :meth:`reduce_scatter`) is this
+        rank's; afterwards every block holds its owner's values. Only moves bits (no
+        arithmetic, so -0.0 and NaN payloads survive). This fallback broadcasts each block
+        from its owner; MPI's is one all-gather."""
+        check_blocks(self, counts, buf)
+        for root, (start, stop) in enumerate(block_bounds(counts)):
+            if stop > start:
+                self.bcast(buf[start:stop], root=root,
+                           name=None if name is None else f"{name}.{root}")
+
     def allgather_object(self, obj, name=None):
         """Gather one picklable object from every rank, in rank order, on every rank."""
         raise NotImplementedError
+
+
+def block_bounds(counts):
+    """``[(start, stop)]`` of consecutive blocks of ``counts`` elements."""
+    stops = np.cumsum(counts, dtype=np.int64)
+    return [(int(stop - count), int(stop)) for count, stop in zip(counts, stops)]
+
+
+def check_blocks(collectives, counts, buf, out=None):
+    """``(start, stop)`` of ``collectives.rank``'s block, for the transports' reduce_scatter and
+    allgather; ValueError naming the sizes when ``counts`` is not one count per rank that
+    splits ``buf`` (and gives ``out`` its size)."""
+    counts = [int(c) for c in counts]
+    rank = collectives.rank
+    if len(counts) != collectives.size:
+        raise ValueError(f"{len(counts)} counts for {collectives.size} ranks")
+    if min(counts, default=0) < 0 or sum(counts) != buf.size:
+        raise ValueError(f"counts {counts} do not split a buffer of {buf.size} elements")
+    if out is not None and out.size != counts[rank]:
+        raise ValueError(f"rank {rank}'s block has {counts[rank]} elements, out has {out.size}")
+    return block_bounds(counts)[rank]
 
 
 class _MPIRequest:
@@ -253,6 +297,44 @@ class MPICollectives(Collectives):
         else:
             with self._watchdog.collective("Bcast"):
                 self.comm.Bcast(buf, root=root)
+
+    def reduce_scatter(self, buf, out, counts, op="sum", name=None):
+        check_blocks(self, counts, buf, out)
+        if self._needs_staging(buf):
+            synchronize(array_module(buf))
+            host = np.empty(out.shape, dtype=out.dtype)
+            self.reduce_scatter(buf.get(), host, counts, op)
+            out.set(host)
+            return
+        synchronize(array_module(buf))
+        spec, mpi_op = self._spec(buf, op)
+        received, _ = self._spec(out, op)
+        counts = [int(c) for c in counts]
+        if self._watchdog is None:
+            self.comm.Reduce_scatter(spec, received, counts, mpi_op)
+        else:
+            with self._watchdog.collective("Reduce_scatter"):
+                self.comm.Reduce_scatter(spec, received, counts, mpi_op)
+
+    def allgather(self, buf, counts, name=None):
+        check_blocks(self, counts, buf)
+        if is_device_array(buf) and not self.cuda_aware:
+            synchronize(array_module(buf))
+            host = buf.get()
+            self.allgather(host, counts)
+            buf.set(host)
+            return
+        synchronize(array_module(buf))
+        counts = [int(c) for c in counts]
+        displacements = [start for start, _ in block_bounds(counts)]
+        spec = [buf, (counts, displacements)]
+        if np.dtype(buf.dtype) in half_dtypes():  # bits only, as in bcast: 16-bit words
+            spec.append(self._MPI.UINT16_T)
+        if self._watchdog is None:
+            self.comm.Allgatherv(self._MPI.IN_PLACE, spec)
+        else:
+            with self._watchdog.collective("Allgatherv"):
+                self.comm.Allgatherv(self._MPI.IN_PLACE, spec)
 
     def allgather_object(self, obj, name=None):
         if self._watchdog is None:

@@ -1,0 +1,273 @@
+"""Sharded PacTrain (ZeRO style): the packed all-reduce as a reduce-scatter plus an all-gather.
+
+Every rank knows the same masks, so the survivors of all gradients form one dense vector that
+can be split like a dense one. :class:`ShardedReducer` reduce-scatters it: each rank receives
+the summed (averaged) survivors of its own contiguous shard, updates the matching weights
+(an optimizer that keeps state only for those: 1/N of the survivors), and all-gathers the
+updated weights back into every rank's full, replicated weights. A ring all-reduce *is* a
+reduce-scatter plus an all-gather, so the wire carries what replicated PacTrain's does.
+
+Shard layout, defined once (:class:`ShardLayout`): the survivors of every array, in the
+arrays' order, concatenated; rank r owns the r-th of ``size`` contiguous parts whose counts
+differ by at most one (the first ``total % size`` ranks hold one more; ranks may hold none).
+The layout follows from the masks, so it is fixed while they are: a mask that changes between
+steps changes every rank's shard and raises (on every rank alike, since the masks are agreed).
+
+No dense fallback: the engine runs with ``stable_steps=0``, so a masked array is packed from
+the step its mask is agreed. The fallback exists to skip computing survivor positions while a
+pruning schedule moves the masks; a sharded optimizer needs those positions anyway, because its
+state lives on the survivors. Unmasked arrays (and masks that keep everything) are shards of
+all their elements.
+
+Transports: MPI's ``Reduce_scatter``/``Allgatherv`` (:class:`pacmpi.MPICollectives`), torch's
+uneven ``reduce_scatter`` and a padded ``all_gather_single``
+(:class:`pacmpi.adapters.torch_collectives.TorchDistCollectives`), Horovod's ``reducescatter``
+(whose split is :func:`balanced_counts`) and ``allgather``; any other :class:`Collectives`
+falls back to an all-reduce and broadcasts (correct, at all-reduce cost).
+
+Lossless only for now. Ternary would fit the reduce-scatter half: codes of several ranks are
+summed in integer words (:mod:`pacmpi.ternary`), and a reduce-scatter sums words like an
+all-reduce does, so each rank would decode the summed codes of its shard. The all-gather half
+carries updated weights, not gradients, and stays in full precision: quantizing it would make
+the replicas drift apart from the shard owners' weights.
+"""
+import time
+
+import numpy as np
+
+from .arrays import array_module
+from .reducer import PacTrainReducer
+from .verify import run_together
+
+__all__ = ["ShardedReducer", "ShardLayout", "balanced_counts"]
+
+# One fusion bucket for everything: its packed payload *is* the survivors of all the arrays
+# concatenated, so the engine encodes the whole shardable vector in one call.
+_ONE_BUCKET = 1 << 62
+
+
+def balanced_counts(total, size):
+    """``size`` counts summing to ``total`` that differ by at most one, larger ones first."""
+    base, extra = divmod(int(total), int(size))
+    return [base + (r < extra) for r in range(size)]
+
+
+class ShardLayout:
+    """Where the packed survivors of a bucket's arrays lie, and which of them rank ``rank``
+    owns: packed positions ``[start, stop)`` of ``total``, split by ``counts``.
+
+    ``indices`` are the bucket's survivor positions (``None``: every element survives)."""
+
+    def __init__(self, bucket, indices, size, rank):
+        self.indices = indices
+        self.total = bucket.size if indices is None else int(indices.size)
+        self.counts = balanced_counts(self.total, size)
+        self.start = sum(self.counts[:rank])
+        self.stop = self.start + self.counts[rank]
+        # Per array: its packed range and its survivors' flat positions (None: all, in order).
+        self._members = []
+        for m in bucket.members:
+            if indices is None:
+                self._members.append((m, m.offset, m.offset + m.size, None))
+                continue
+            xp = array_module(indices)
+            bounds = xp.asarray([m.offset, m.offset + m.size])
+            lo, hi = (int(i) for i in xp.searchsorted(indices, bounds))
+            self._members.append((m, lo, hi, indices[lo:hi] - m.offset))
+
+    @property
+    def shard_size(self):
+        return self.stop - self.start
+
+    def _pieces(self, lo, hi):
+        """``(array index, selection in its flat view, slice of packed[lo:hi])`` per array
+        overlapping packed positions ``[lo, hi)``."""
+        for m, mlo, mhi, positions in self._members:
+            a, b = max(lo, mlo), min(hi, mhi)
+            if a >= b:
+                continue
+            selection = slice(a - mlo, b - mlo) if positions is None else positions[a - mlo:
+                                                                                   b - mlo]
+            yield m.index, selection, slice(a - lo, b - lo)
+
+    def gather(self, arrays, out, lo, hi):
+        """``out = packed(arrays)[lo:hi]``; arrays are C-contiguous."""
+        for index, selection, part in self._pieces(lo, hi):
+            out[part] = arrays[index].reshape(-1)[selection]
+        return out
+
+    def scatter(self, packed, arrays, lo, hi):
+        """Write ``packed`` (packed positions ``[lo, hi)``) into ``arrays``' survivors; the
+        pruned coordinates are left as they are."""
+        for index, selection, part in self._pieces(lo, hi):
+            arrays[index].reshape(-1)[selection] = packed[part]
+
+
+class ShardedReducer:
+    """Reduce-scatters gradients' survivors, lets the caller update its shard, all-gathers
+    the updated weights; a collective call per step (:meth:`step`).
+
+    Parameters
+    ----------
+    masks:
+        One entry per array: a boolean (or 0/1) array of its shape, or ``None`` (unpruned).
+        Fixed for the reducer's life (a change raises at the next verification).
+    shapes, dtypes:
+        The arrays' shapes and their dtype (one for all: the survivors form one vector).
+    comm, collectives, average, verify_every, cuda_aware, abort_on_error:
+        As for :class:`pacmpi.PacTrainReducer`. Any :class:`pacmpi.Collectives` works; those
+        without a native reduce-scatter fall back to an all-reduce (:class:`Collectives`).
+
+    Example::
+
+        reducer = ShardedReducer(masks, shapes=[w.shape for w in weights],
+                                 dtypes=[w.dtype for w in weights])
+        state = np.zeros(reducer.layout.shard_size)  # e.g. momentum, for the shard only
+
+        def sgd_momentum(grad, weight):  # this rank's shard of the survivors, in place
+            state[...] = 0.9 * state + grad
+            weight -= 0.1 * state
+
+        reducer.step(grads, weights, sgd_momentum)  # weights: identical on every rank after
+    """
+
+    def __init__(self, masks, *, shapes, dtypes, comm=None, collectives=None, average=True,
+                 verify_every=1, cuda_aware="auto", abort_on_error=None):
+        self._reducer = PacTrainReducer(
+            masks, comm=comm, collectives=collectives, average=average,
+            verify_every=verify_every, stable_steps=0, bucket_bytes=_ONE_BUCKET, shapes=shapes,
+            dtypes=dtypes, cuda_aware=cuda_aware, abort_on_error=abort_on_error)
+        self.layout = run_together(self.collectives, self._initial_layout)
+        self._buffers = {}
+
+    @property
+    def collectives(self):
+        return self._reducer.collectives
+
+    @property
+    def engine(self):
+        return self._reducer.engine
+
+    @property
+    def stats(self):
+        """The engine's counters (``bytes_sent``: packed gradient bytes reduce-scattered)."""
+        return self._reducer.stats
+
+    def _initial_layout(self):
+        layout = self._reducer.layout
+        if len(layout) > 1:
+            raise TypeError(f"sharded reduction needs one dtype for every array, got "
+                            f"{sorted({str(b.dtype) for b in layout.buckets})}")
+        if not len(layout):
+            raise ValueError("sharded reduction needs at least one array")
+        flat = self._reducer._flat_masks()[0]
+        indices = None
+        if flat is not None and not bool(flat.all()):
+            indices = array_module(flat).flatnonzero(flat)
+        return ShardLayout(layout.buckets[0], indices, self.collectives.size,
+                           self.collectives.rank)
+
+    def _buffer(self, xp, key, size, dtype):
+        buf = self._buffers.get(key)
+        if buf is None or buf.size != size or array_module(buf) is not xp:
+            buf = self._buffers[key] = xp.empty(size, dtype=dtype)
+        return buf
+
+    def _check_params(self, params, xp):
+        dtype = self._reducer.layout.dtypes[0]
+        self._reducer._check_shapes(params, "parameter")
+        for i, p in enumerate(params):
+            if array_module(p) is not xp or np.dtype(p.dtype) != dtype:
+                raise TypeError(f"parameter {i} is a {type(p).__name__} of {p.dtype}, "
+                                f"gradients are {xp.__name__} arrays of {dtype}")
+            if not p.flags.c_contiguous:
+                raise ValueError(f"parameter {i} is not C-contiguous")
+
+    def _check_layout(self):
+        """The engine packs what the layout shards, or the masks changed since it was made."""
+        packed = self.engine.packed_indices(0)
+        if packed is self.layout.indices:
+            return
+        mine = self.layout.indices
+        same = (packed is not None and mine is not None and packed.size == mine.size
+                and bool(array_module(mine).array_equal(packed, mine)))
+        if not same:
+            keep = self._reducer.layout.buckets[0].size if packed is None else packed.size
+            raise ValueError(
+                f"the agreed masks changed at step {self.engine.step} (they keep {keep} "
+                f"coordinates; this reducer shards the {self.layout.total} its masks kept at "
+                "construction): masks are fixed for a sharded reducer's life")
+        self.layout.indices = packed  # identical: from now on an identity test
+
+    def reduce_scatter(self, grads, params=None, out=None):
+        """Begin a step (verification included) and return this rank's shard of the summed
+        (averaged) survivors of ``grads``: ``layout.shard_size`` elements, in ``out`` when
+        given. ``params`` (optional) are checked with the gradients, so a bad parameter list
+        raises on every rank before any data moves. ``grads`` may be modified (as by
+        :meth:`pacmpi.PacTrainReducer.reduce`)."""
+        reducer = self._reducer
+        error = None
+        try:
+            grads = list(grads)
+            reducer._check_grads(grads)
+            if params is not None:
+                self._check_params(list(params), array_module(grads[0]))
+        except (TypeError, ValueError) as exc:
+            error = exc
+        try:
+            self.engine.begin_step(reducer._flat_masks, error)
+            self._check_layout()
+            flat = reducer._flat(0, grads)
+            wire, _ = self.engine.encode(0, flat)
+            xp = array_module(flat)
+            if out is None:
+                out = self._buffer(xp, "shard", self.layout.shard_size, wire.dtype)
+            if wire.size:
+                started = time.perf_counter()
+                self.collectives.reduce_scatter(wire, out, self.layout.counts, "sum",
+                                                name="pacmpi.reduce_scatter")
+                self.stats["comm_seconds"] += time.perf_counter() - started
+            size = self.collectives.size
+            if self.engine.average and size > 1:
+                # As kernels.scatter divides on the replicated path: same dtype, same bits.
+                xp.divide(out, out.dtype.type(size), out=out)
+            self.engine.end_step()
+        finally:
+            reducer._reset_step()
+        return out
+
+    def allgather(self, shard, params):
+        """Write every rank's updated ``shard`` (this rank's survivors of ``params``) into
+        every rank's ``params``; pruned coordinates are left as they are. Collective."""
+        xp = array_module(shard)
+        full = self._buffer(xp, "full", self.layout.total, shard.dtype)
+        full[self.layout.start:self.layout.stop] = shard
+        started = time.perf_counter()
+        self.collectives.allgather(full, self.layout.counts, name="pacmpi.allgather")
+        self.stats["comm_seconds"] += time.perf_counter() - started
+        self.layout.scatter(full, params, 0, self.layout.total)
+
+    def param_shard(self, params, out=None):
+        """This rank's shard of ``params``' survivors (a copy, in ``out`` when given)."""
+        if out is None:
+            out = self._buffer(array_module(params[0]), "params", self.layout.shard_size,
+                               params[0].dtype)
+        return self.layout.gather(params, out, self.layout.start, self.layout.stop)
+
+    def step(self, grads, params, update, param_shard=None):
+        """One sharded step: ``update(grad_shard, param_shard)`` changes ``param_shard`` (this
+        rank's survivors of ``params``, gathered into ``param_shard`` when given) in place,
+        between the reduce-scatter of ``grads`` and the all-gather into ``params``."""
+        params = list(params)
+        grad_shard = self.reduce_scatter(grads, params)
+        weights = self.param_shard(params, param_shard)
+        update(grad_shard, weights)
+        self.allgather(weights, params)
+
+    def state_dict(self):
+        """The engine's state (step, tracker, counters), as :meth:`PacTrainReducer.state_dict`."""
+        return self._reducer.state_dict()
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output; collective, fails on every rank together."""
+        self._reducer.load_state_dict(state)
