@@ -30,7 +30,8 @@ from .ternary import TernaryCodec, ternary_key
 from .tracker import MaskTracker
 from .verify import agree, gather_details, offending_ranks, raise_together
 
-__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES"]
+__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES",
+           "MEMORY_COMPONENTS"]
 
 QUANTIZE_MODES = (None, "fp16", "ternary")
 MISMATCH_POLICIES = ("raise", "resync")
@@ -43,6 +44,8 @@ COUNTERS = ("steps", "verifications", "bytes_sent", "dense_elements_equivalent",
             "dense_bytes_equivalent", "packed_reductions", "dense_reductions", "dense_fallbacks",
             "resyncs", "resync_bytes", "nonfinite_fallbacks", "abandoned_steps", "verify_seconds",
             "pack_seconds", "comm_seconds", "unpack_seconds")
+# What StepEngine.memory_report() counts, by what the arrays are for.
+MEMORY_COMPONENTS = ("indices", "snapshots", "payloads", "words", "residuals")
 
 
 @dataclass(frozen=True)
@@ -589,6 +592,30 @@ class StepEngine:
         self.stats["unpack_seconds"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ state
+    def memory_report(self):
+        """Bytes of the arrays the engine keeps between steps, by :data:`MEMORY_COMPONENTS`:
+        survivor indices, mask snapshots, payload buffers (packed survivors, float16 copies),
+        ternary words and error-feedback residuals (with the spares the next encode writes).
+        Read from the live arrays, each counted once; a front end adds its own."""
+        report, seen = dict.fromkeys(MEMORY_COMPONENTS, 0), set()
+
+        def add(component, array):
+            if array is not None and id(array) not in seen:
+                seen.add(id(array))
+                report[component] += int(array.nbytes)
+
+        for state in self.tracker.buckets:
+            add("indices", state.indices)
+            add("snapshots", state.mask)
+        for snapshot, _ in self._snapshots.values():
+            add("snapshots", snapshot)
+        for (kind, _), buffer in self._buffers.items():
+            add("words" if kind == "words" else "payloads", buffer)
+        for entry in self._residuals.values():
+            add("residuals", entry.values)
+            add("residuals", entry.spare)
+        return report
+
     def state_dict(self):
         """Step, tracker, error-feedback residuals (full-length host arrays), counters."""
         return {

@@ -388,6 +388,13 @@ class PacTrainReducer:
             bucket.unflatten(flat, grads)
 
     # ------------------------------------------------------------------ state
+    def memory_report(self):
+        """Bytes of the arrays this reducer keeps between steps, by component: the engine's
+        (:meth:`pacmpi.engine.StepEngine.memory_report`) and ``fusion``, the buffers of
+        buckets that are not views of the gradients."""
+        return dict(self.engine.memory_report(),
+                    fusion=sum(int(flat.nbytes) for flat in self._flat_buffers.values()))
+
     def state_dict(self):
         """Step, tracker, error-feedback residuals (host arrays), counters and the seed."""
         state = self.engine.state_dict()
