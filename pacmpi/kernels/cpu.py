@@ -33,7 +33,8 @@ from numba.extending import intrinsic, overload
 
 from .reference import compute_dtype, digit_powers, division_tables
 
-__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "converts",
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
+           "ternary_decode", "converts",
            "compile_stats", "half_sum_function"]
 
 # Values per parallel work item: small enough to balance threads and stay in L1/L2, big enough
@@ -351,6 +352,32 @@ def _scatter(payload, indices, packed, flat, divisor, divide):
             flat[_at(indices, packed, j)] = x
 
 
+# In place, one thread: a parallel chunk would overwrite values another chunk has yet to read.
+@njit(**_JIT)
+def _compact(flat, indices):
+    """Survivor j moves forward from indices[j] >= j to j, first first: nothing unread is
+    overwritten."""
+    for j in range(indices.size):
+        flat[np.uint64(j)] = flat[np.uint64(indices[np.uint64(j)])]
+
+
+@njit(**_JIT)
+def _expand(flat, indices, divisor, divide):
+    """Survivor j moves back from j to indices[j] >= j, last first, each read before anything
+    lands on it; the gap after its new place (read already) becomes 0."""
+    end = np.uint64(flat.size)
+    for i in range(indices.size):
+        j = np.uint64(indices.size - 1 - i)
+        x = flat[j]
+        if divide:
+            x = _divide(x, divisor)
+        position = np.uint64(indices[j])
+        flat[position + _ONE:end].fill(0)
+        flat[position] = x
+        end = position
+    flat[:end].fill(0)
+
+
 @njit(**_PARALLEL)
 def _absmax(flat, indices, packed, residual, add_residual, count):
     # The maximum is taken over the IEEE bits of |v|: for non-negative floats their order is
@@ -456,7 +483,8 @@ def half_sum_function(name, soft=False):
 
 # ---------------------------------------------------------------- Python side
 _NO_INDICES = np.empty(0, dtype=np.int64)
-_KERNELS = {"gather": _gather, "scatter": _scatter, "absmax": _absmax,
+_KERNELS = {"gather": _gather, "scatter": _scatter, "compact": _compact, "expand": _expand,
+            "absmax": _absmax,
             "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode}
 
 
@@ -527,6 +555,18 @@ def scatter(payload, indices, flat, divisor=None):
     value = compute_dtype(flat.dtype).type(flat.dtype.type(divisor if divide else 1))
     _launch(_scatter, flat.size, _view(payload), *_indices(indices, flat.size), _view(flat),
             value, divide)
+    return flat
+
+
+def compact(flat, indices):
+    _compact(_view(flat), _indices(indices, flat.size)[0])
+    return flat[:indices.size]
+
+
+def expand(flat, indices, divisor=None):
+    divide = divisor is not None
+    value = compute_dtype(flat.dtype).type(flat.dtype.type(divisor if divide else 1))
+    _expand(_view(flat), _indices(indices, flat.size)[0], value, divide)
     return flat
 
 
