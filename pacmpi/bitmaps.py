@@ -12,9 +12,10 @@ from .arrays import array_module
 
 __all__ = ["Bitmap", "index_dtype"]
 
-# Coordinates per chunk (a multiple of 8, so chunks start on a byte of the bitmap): 1 MiB
-# of bools at a time, in cache, at a few kernel launches per GiB on a GPU.
-CHUNK = 1 << 20
+# Coordinates per chunk (a multiple of 8, so chunks start on a byte of the bitmap): 256 KiB
+# of bools (and up to 2 MiB of int64 positions) at a time, in cache, at a few kernel launches
+# per 1 Mi coordinates on a GPU.
+CHUNK = 1 << 18
 
 
 def index_dtype(size):
@@ -80,4 +81,5 @@ class Bitmap:
             out[filled:filled + found.size] = found
             out[filled:filled + found.size] += start
             filled += found.size
+            del found  # before the next chunk's: one chunk of int64 positions at a time
         return out

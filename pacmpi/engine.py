@@ -97,6 +97,7 @@ class _Residual:
         """The residual laid out for ``indices`` (``None``: dense over ``size`` elements)."""
         if self.indices is indices:
             return self.values
+        self.spare = None  # laid out for the old indices: freed before the new layout is made
         full = self.values
         if self.indices is not None:
             full = xp.zeros(size, dtype=self.values.dtype)
@@ -444,30 +445,41 @@ class StepEngine:
     def _scratch(self, xp, size, dtype):
         """A payload of ``size`` ``dtype`` values, lent until its decode: buckets encoded one
         after another share one buffer per dtype; only buckets in flight together need more.
-        The smallest free buffer that fits serves; else the largest free one is replaced."""
+        A free buffer of that size serves, else the smallest larger one; else the largest free
+        one is replaced. (Free buffers by size: a step asks for the sizes of the last.)"""
         key = (xp.__name__, np.dtype(dtype))
-        free = self._free.setdefault(key, [])
+        free = self._free.setdefault(key, {})
         self._largest[key] = max(self._largest.get(key, 0), size)
-        fits = [i for i, buf in enumerate(free) if buf.size >= size]
+        fits = [size] if size in free else [n for n in free if n > size]
         if fits:
-            base = free.pop(min(fits, key=lambda i: free[i].size))
+            base = self._take(free, min(fits))
         else:
-            if free:  # (by position: list.remove would compare arrays)
-                free.pop(max(range(len(free)), key=lambda i: free[i].size))
+            if free:
+                self._take(free, max(free))
             base = xp.empty(size, dtype=dtype)
         payload = base[:size]
         self._lent[id(payload)] = base
         return payload
 
+    @staticmethod
+    def _take(free, size):
+        buffers = free[size]
+        base = buffers.pop()
+        if not buffers:
+            del free[size]
+        return base
+
     def _give_back(self, base):
-        self._free.setdefault((array_module(base).__name__, base.dtype), []).append(base)
+        key = (array_module(base).__name__, base.dtype)
+        self._free.setdefault(key, {}).setdefault(base.size, []).append(base)
 
     def _trim_scratch(self):
         """At the end of a step, free the buffers much larger than any payload of theirs in it
         (a mask that pruned more, a dtype no longer sent): the next step allocates to fit."""
         for key, free in self._free.items():
             limit = self._largest.get(key, 0) * 5 // 4
-            free[:] = [buf for buf in free if buf.size <= limit]
+            for size in [n for n in free if n > limit]:
+                del free[size]
         self._largest.clear()
 
     def agree_scales(self, flats):
@@ -655,8 +667,8 @@ class StepEngine:
             add("snapshots", snapshot)
         for (kind, _), buffer in self._buffers.items():
             add("words" if kind == "words" else "payloads", buffer)
-        for (_, dtype), buffers in self._free.items():
-            for buffer in buffers:
+        for (_, dtype), free in self._free.items():
+            for buffer in (buf for buffers in free.values() for buf in buffers):
                 add("payloads" if dtype.kind == "f" else "words", buffer)
         for entry in self._residuals.values():
             add("residuals", entry.values)
