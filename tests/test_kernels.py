@@ -497,8 +497,23 @@ def test_warm_up_compiles_every_signature_a_step_needs():
     words = 2  # uint32 and uint64 views
     expected = {"gather": 4, "scatter": 4, "compact": 4, "expand": 4, "absmax": 4,
                 "ternary_encode": 4 * words, "ternary_decode": 4 * words}
-    for name, kernel in cpu._KERNELS.items():
-        assert len(kernel.signatures) >= expected[name], name
+    for name, kernel in cpu._KERNELS.items():  # the parallel kernels and their serial twins
+        for version in cpu._versions(kernel):
+            assert len(version.signatures) >= expected[name], (name, version)
+
+
+def test_small_calls_take_the_serial_twins(monkeypatch):
+    """Calls below SERIAL_BELOW values run the serial twin (no parallel region), larger ones
+    the pool; the comparisons above cover both (sizes on either side, BIG among them)."""
+    pytest.importorskip("numba")
+    from pacmpi.kernels import cpu
+    called, twin = [], cpu._SERIAL[cpu._absmax]
+    monkeypatch.setitem(cpu._SERIAL, cpu._absmax,
+                        lambda *args: called.append(args[0].size) or twin(*args))
+    for count in (1, cpu.SERIAL_BELOW - 1, cpu.SERIAL_BELOW):
+        flat = np.arange(count, dtype=np.float32)
+        assert kernels.absmax(np, flat, None, None) == reference.absmax(np, flat, None, None)
+    assert called == [1, cpu.SERIAL_BELOW - 1]  # the last one ran on the pool
 
 
 def test_importing_the_kernels_loads_neither_numba_nor_cupy():

@@ -15,6 +15,7 @@ Arrays the fused kernels do not take (not C-contiguous, or a conversion they do 
 exactly as NumPy) go to the reference too. Nothing here imports Numba or CuPy until a kernel
 runs on their arrays.
 """
+import itertools
 import os
 import warnings
 
@@ -115,20 +116,22 @@ def warm_up(dtypes=None):
     Returns the route that ran."""
     from ..arrays import supported_float_dtypes
     from ..ternary import TernaryCodec
-    for dtype in dtypes or supported_float_dtypes():
-        flat = np.ones(4, dtype)
-        indices = np.arange(2, dtype=np.int32)  # the engine's positions (index_dtype)
-        residual = np.zeros(2, compute_dtype(dtype))
-        gather(np, flat, indices, np.empty(2, dtype))
-        scatter(np, np.ones(2, dtype), indices, flat, 2)
+    # Small calls run serial twins of the parallel kernels: compile both.
+    counts = (2, _cpu().SERIAL_BELOW) if backend(np) == "numba" else (2,)
+    for dtype, count in itertools.product(dtypes or supported_float_dtypes(), counts):
+        flat = np.ones(2 * count, dtype)
+        indices = np.arange(count, dtype=np.int32)  # the engine's positions (index_dtype)
+        residual = np.zeros(count, compute_dtype(dtype))
+        gather(np, flat, indices, np.empty(count, dtype))
+        scatter(np, np.ones(count, dtype), indices, flat, 2)
         compact(np, flat, indices)
         expand(np, flat, indices, 2)
         absmax(np, flat, indices, residual)
         for word in ("int32", "int64"):  # the kernels see unsigned views: one of each width
             codec = TernaryCodec(2, word)
             words = ternary_encode(np, flat, indices, residual, residual, 1.0, 0, codec,
-                                   np.empty(1, codec.word_dtype))
-            ternary_decode(np, words, 2, codec, 2, 1.0, 2, indices, flat)
+                                   np.empty(codec.words_for(count), codec.word_dtype))
+            ternary_decode(np, words, count, codec, 2, 1.0, 2, indices, flat)
     return backend(np)
 
 

@@ -8,7 +8,8 @@ the same counter-based random numbers, and float16/bfloat16 rounding done exactl
 ml_dtypes do it. Compiled code is cached on disk (``cache=True``): in ``NUMBA_CACHE_DIR`` when
 set, else in ``__pycache__`` beside this file, else (not writable) in ``~/.cache/numba``; one
 signature per dtype combination, loaded in milliseconds instead of compiled in about a second.
-Small calls run on the calling thread (:data:`SERIAL_BELOW`); the pool's size is Numba's
+Small calls run on the calling thread, compiled without a parallel region
+(:data:`SERIAL_BELOW`); the pool's size is Numba's
 (``NUMBA_NUM_THREADS``, ``numba.set_num_threads``).
 
 Numba cannot type float16 or bfloat16, so their arrays come in as **uint16 (float16) and int16
@@ -22,6 +23,7 @@ import functools
 import os
 import platform
 import threading
+from types import FunctionType
 
 import llvmlite.binding as llvm
 import numba
@@ -488,13 +490,37 @@ _KERNELS = {"gather": _gather, "scatter": _scatter, "compact": _compact, "expand
             "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode}
 
 
+def _serial_twin(kernel):
+    """The same kernel compiled without ``parallel=True`` (its prange a plain loop: the same
+    operations in the same order per value), for calls below :data:`SERIAL_BELOW` values:
+    entering a parallel region costs about 0.1 ms even on one thread, which a model of a few
+    hundred small tensors pays several times per tensor and step. Named apart, so Numba's
+    disk cache keeps its own entries."""
+    py = kernel.py_func
+    twin = FunctionType(py.__code__, py.__globals__, py.__name__ + "_serial", py.__defaults__,
+                        py.__closure__)
+    twin.__qualname__ = twin.__name__
+    twin.__doc__ = py.__doc__
+    # IEEE division (x / 0 is Inf or NaN), as parallel loop bodies compute it; Numba's
+    # default for plain functions raises ZeroDivisionError instead.
+    return njit(error_model="numpy", **_JIT)(twin)
+
+
+_SERIAL = {kernel: _serial_twin(kernel) for kernel in (_gather, _scatter, _absmax,
+                                                       _ternary_encode, _ternary_decode)}
+
+
 def compile_stats():
-    """Per kernel: signatures loaded from Numba's on-disk cache (hits) and compiled in this
-    process (misses), and the cache directory."""
-    return {name: {"cache_hits": sum(k.stats.cache_hits.values()),
-                   "compiled": sum(k.stats.cache_misses.values()),
+    """Per kernel (its parallel and serial versions together): signatures loaded from Numba's
+    on-disk cache (hits) and compiled in this process (misses), and the cache directory."""
+    return {name: {"cache_hits": sum(sum(d.stats.cache_hits.values()) for d in _versions(k)),
+                   "compiled": sum(sum(d.stats.cache_misses.values()) for d in _versions(k)),
                    "cache_dir": k.stats.cache_path}
             for name, k in _KERNELS.items()}
+
+
+def _versions(kernel):
+    return (kernel, _SERIAL[kernel]) if kernel in _SERIAL else (kernel,)
 
 
 def _view(array):
@@ -529,16 +555,11 @@ def converts(source, target):
 
 
 def _launch(kernel, count, *args):
-    """``kernel(*args)``, on this thread alone for small ``count`` (the setting is per thread)."""
+    """``kernel(*args)`` on the pool, or its serial twin on this thread for small ``count``."""
+    if count < SERIAL_BELOW:
+        return _SERIAL[kernel](*args)
     with _LAUNCH_LOCK:
-        if count >= SERIAL_BELOW:
-            return kernel(*args)
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1)
-        try:
-            return kernel(*args)
-        finally:
-            numba.set_num_threads(threads)
+        return kernel(*args)
 
 
 def _unsigned(words):
