@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pacmpi import kernels
 from pacmpi.bench import harness
 from pacmpi.bench.memory import COMPONENTS, ResidentPeak, random_mask, ratio_row
 from pacmpi.bench.memory import format_table as format_memory_table
@@ -105,7 +106,8 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
 
 def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
                modes=("lossless", "ternary"), steps=4):
-    for mode in ("plain",) + tuple(modes):  # load the kernels, warm torch's allocator
+    kernels.warm_up([np.float32])  # compile (or load) the kernels: not a step's memory
+    for mode in ("plain",) + tuple(modes):  # warm torch's allocator
         _ddp_run(dist, _stack(2, 64), 0.5, mode, 2)
     rows = []
     for density in densities:
@@ -183,6 +185,7 @@ def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
 
     hvd.init()
     torch.set_num_threads(1)
+    kernels.warm_up([np.float32])
     rows = []
     # The first pass (a small model) loads the kernels and warms the allocators; not reported.
     for density, width, report in [(0.5, 64, False)] + [(d, width, True) for d in densities]:
