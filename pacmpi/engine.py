@@ -24,13 +24,15 @@ import numpy as np
 
 from . import kernels
 from .arrays import array_module, to_host
+from .bitmaps import Bitmap
 from .errors import LayoutMismatchError, MaskMismatchError
 from .hashing import digest_ints
 from .ternary import TernaryCodec, ternary_key
 from .tracker import MaskTracker
 from .verify import agree, gather_details, offending_ranks, raise_together
 
-__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES"]
+__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES",
+           "MEMORY_COMPONENTS"]
 
 QUANTIZE_MODES = (None, "fp16", "ternary")
 MISMATCH_POLICIES = ("raise", "resync")
@@ -43,6 +45,8 @@ COUNTERS = ("steps", "verifications", "bytes_sent", "dense_elements_equivalent",
             "dense_bytes_equivalent", "packed_reductions", "dense_reductions", "dense_fallbacks",
             "resyncs", "resync_bytes", "nonfinite_fallbacks", "abandoned_steps", "verify_seconds",
             "pack_seconds", "comm_seconds", "unpack_seconds")
+# What StepEngine.memory_report() counts, by what the arrays are for.
+MEMORY_COMPONENTS = ("indices", "snapshots", "payloads", "words", "residuals")
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,14 @@ class BucketSpec:
 class Encoded:
     """What :meth:`StepEngine.decode` needs besides the reduced payload.
 
-    ``kind`` is ``"dense"`` (the payload is the bucket, reduced in place), ``"copy"`` (the
-    payload is a copy of the bucket's values, scattered back on decode: packed survivors, a
-    float16 cast, or an unquantized non-finite bucket) or ``"ternary"`` (ternary words).
+    ``kind`` is ``"dense"`` (the payload is the bucket, reduced in place), ``"compact"`` (the
+    payload is the front of the bucket, its survivors moved there in place and moved back on
+    decode), ``"copy"`` (the payload is a copy of the bucket's values, scattered back on
+    decode: packed survivors, a float16 cast, or an unquantized non-finite bucket) or
+    ``"ternary"`` (ternary words).
     ``residual`` is the error-feedback residual to keep once the result is back, so an abandoned
-    step leaves the residuals as they were.
+    step leaves the residuals as they were. ``scratch``: the engine's buffer the payload was
+    written into, lent until the decode.
     """
 
     bucket: int
@@ -73,6 +80,7 @@ class Encoded:
     scale: float = None
     count: int = 0
     residual: object = None
+    scratch: object = None
 
 
 class _Residual:
@@ -89,6 +97,7 @@ class _Residual:
         """The residual laid out for ``indices`` (``None``: dense over ``size`` elements)."""
         if self.indices is indices:
             return self.values
+        self.spare = None  # laid out for the old indices: freed before the new layout is made
         full = self.values
         if self.indices is not None:
             full = xp.zeros(size, dtype=self.values.dtype)
@@ -176,9 +185,10 @@ class StepEngine:
         """How many ranks' ternary codes one payload sum adds up: every rank's, here."""
         return collectives.size
 
-    # Reusable payload buffers and the last agreed mask snapshots with their fingerprints:
-    # dicts rebuilt on demand, so never pickled.
-    _CACHES = ("_buffers", "_snapshots")
+    # Reusable buffers (kept per key; lent per payload: free ones by (module, dtype), lent ones
+    # by id of the payload until its encode returns) and the last agreed mask snapshots with
+    # their fingerprints: dicts rebuilt on demand, so never pickled.
+    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots")
 
     def _clear_caches(self):
         for name in self._CACHES:
@@ -246,7 +256,7 @@ class StepEngine:
         if not masks_differ:
             for b, state in enumerate(self.tracker.buckets):
                 if self.tracker.ready_to_pack(b):
-                    state.indices = array_module(state.mask).flatnonzero(state.mask)
+                    state.indices = state.mask.positions()
             # The scales hold where each bucket is sent as it was when they were computed.
             self._scales = {b: _bits_float(maxima[f"scale{b}"]) for b, indices in fused.items()
                             if self.packed_indices(b) is indices}
@@ -272,6 +282,7 @@ class StepEngine:
 
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
+        self._trim_scratch()
         self.step += 1
         self.stats["steps"] += 1
         self._scales = {}
@@ -319,7 +330,8 @@ class StepEngine:
         """Agreed-upon snapshots of ``flats`` with their (fingerprint, survivors).
 
         An unchanged mask costs one comparison pass and reuses the previous snapshot's
-        fingerprint; the snapshot, not the caller's array, is what the step packs with.
+        fingerprint; the snapshot (a :class:`pacmpi.bitmaps.Bitmap`: 1 bit per coordinate),
+        not the caller's array, is what the step packs with.
         """
         snapshots, observations = [], []
         for b, flat in enumerate(flats):
@@ -329,14 +341,11 @@ class StepEngine:
                 snapshots.append(None)
                 observations.append((None, None))
                 continue
-            xp = array_module(flat)
             if flat.dtype != np.bool_:
                 flat = flat != 0
-            if (previous is None or previous[0].shape != flat.shape
-                    or array_module(previous[0]) is not xp
-                    or not bool(xp.array_equal(previous[0], flat))):
-                snapshot = flat.copy()
-                previous = (snapshot, MaskTracker.observe(xp, snapshot))
+            if previous is None or not previous[0].matches(flat):
+                snapshot = Bitmap(flat)
+                previous = (snapshot, MaskTracker.observe(snapshot))
                 self._snapshots[b] = previous
             snapshots.append(previous[0])
             observations.append(previous[1])
@@ -400,19 +409,19 @@ class StepEngine:
                     f"{[on_rank0(bk) for bk in differing]}")
         raise error_type("\n".join(lines), details=details, offending_ranks=bad)
 
-    def _resync(self, flats, read_masks, write_masks):
-        """Adopt rank 0's masks: broadcast each masked bucket's mask, hand it to the front end
-        to store, and observe the result."""
+    def _resync(self, snapshots, read_masks, write_masks):
+        """Adopt rank 0's masks: broadcast each masked bucket's mask (its snapshot's bits),
+        hand it to the front end to store, and observe the result."""
         received = []
-        for b, flat in enumerate(flats):
-            if flat is None:
+        for b, snapshot in enumerate(snapshots):
+            if snapshot is None:
                 received.append(None)
                 continue
-            xp = array_module(flat)
-            wire = flat.astype(xp.uint8)
+            wire = snapshot.bits.copy()
             self.collectives.bcast(wire, root=0, name=f"pacmpi.resync.{self.buckets[b].name}")
             self.stats["resync_bytes"] += wire.nbytes
-            received.append(wire.astype(xp.bool_))
+            xp = array_module(wire)
+            received.append(xp.unpackbits(wire)[:snapshot.size].view(xp.bool_))
         write_masks(received)
         self._snapshots.clear()
         return self._observe(self._checked_flats(read_masks()))
@@ -432,6 +441,46 @@ class StepEngine:
             buf = xp.empty(size, dtype=dtype)
             self._buffers[key] = buf
         return buf
+
+    def _scratch(self, xp, size, dtype):
+        """A payload of ``size`` ``dtype`` values, lent until its decode: buckets encoded one
+        after another share one buffer per dtype; only buckets in flight together need more.
+        A free buffer of that size serves, else the smallest larger one; else the largest free
+        one is replaced. (Free buffers by size: a step asks for the sizes of the last.)"""
+        key = (xp.__name__, np.dtype(dtype))
+        free = self._free.setdefault(key, {})
+        self._largest[key] = max(self._largest.get(key, 0), size)
+        fits = [size] if size in free else [n for n in free if n > size]
+        if fits:
+            base = self._take(free, min(fits))
+        else:
+            if free:
+                self._take(free, max(free))
+            base = xp.empty(size, dtype=dtype)
+        payload = base[:size]
+        self._lent[id(payload)] = base
+        return payload
+
+    @staticmethod
+    def _take(free, size):
+        buffers = free[size]
+        base = buffers.pop()
+        if not buffers:
+            del free[size]
+        return base
+
+    def _give_back(self, base):
+        key = (array_module(base).__name__, base.dtype)
+        self._free.setdefault(key, {}).setdefault(base.size, []).append(base)
+
+    def _trim_scratch(self):
+        """At the end of a step, free the buffers much larger than any payload of theirs in it
+        (a mask that pruned more, a dtype no longer sent): the next step allocates to fit."""
+        for key, free in self._free.items():
+            limit = self._largest.get(key, 0) * 5 // 4
+            for size in [n for n in free if n > limit]:
+                del free[size]
+        self._largest.clear()
 
     def agree_scales(self, flats):
         """Ternary only: agree on the scales of several buckets in one MAX all-reduce.
@@ -482,7 +531,7 @@ class StepEngine:
         (copyto, not multiply: NaN * 0 is NaN.) Packed buckets never send them."""
         state = self.tracker.buckets[b]
         if indices is None and state.mask is not None and state.survivors < flat.size:
-            array_module(flat).copyto(flat, 0, where=~state.mask)
+            state.mask.zero_pruned(flat)
             return True
         return False
 
@@ -499,15 +548,18 @@ class StepEngine:
         values = entry.aligned(xp, indices, size)
         if indices is None and self.tracker.buckets[b].mask is not None:
             # Residuals of coordinates a new mask prunes are dropped with them.
-            xp.copyto(values, 0, where=~self.tracker.buckets[b].mask)
+            self.tracker.buckets[b].mask.zero_pruned(values)
         return values
 
-    def encode(self, b, flat):
+    def encode(self, b, flat, in_place=False):
         """Payload of bucket ``b`` from its flat gradient (which may be modified in place:
         pruned coordinates are zeroed on the dense path) and the :class:`Encoded` context.
 
-        The payload is ``flat`` itself (dense lossless: reduce it in place) or a buffer the
-        engine owns until :meth:`decode`. Reduce it with SUM.
+        The payload is ``flat`` itself (dense lossless: reduce it in place), with
+        ``in_place=True`` a packed lossless bucket's ``flat[:survivors]`` (its survivors moved
+        to the front: no buffer; ``flat`` holds no gradient until :meth:`decode` gets this
+        prefix back, in place), or else a buffer the engine owns until :meth:`decode`. Reduce
+        it with SUM.
         """
         started = time.perf_counter()
         spec = self.buckets[b]
@@ -521,13 +573,16 @@ class StepEngine:
         count = self._payload_count(b)
         if self.quantize == "ternary" and count:
             wire, ctx = self._encode_ternary(b, xp, flat, indices, count)
+        elif indices is not None and self.quantize is None and in_place:
+            wire = kernels.compact(xp, flat, indices)
+            ctx = Encoded(b, "compact", indices, self.generation, count=count)
         elif indices is not None or self.quantize == "fp16":
             wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else spec.dtype
-            wire = kernels.gather(xp, flat, indices, self._buffer(xp, ("packed", b), count,
-                                                                   wire_dtype))
+            wire = kernels.gather(xp, flat, indices, self._scratch(xp, count, wire_dtype))
             ctx = Encoded(b, "copy", indices, self.generation, count=count)
         else:
             wire, ctx = flat, Encoded(b, "dense", None, self.generation, count=count)
+        ctx.scratch = self._lent.pop(id(wire), None)
         self.stats["bytes_sent"] += wire.nbytes
         self.stats["pack_seconds"] += time.perf_counter() - started
         return wire, ctx
@@ -550,8 +605,7 @@ class StepEngine:
         """Payload and context of a ternary bucket sent as it is (a non-finite scale)."""
         if indices is None:
             return flat, Encoded(b, "dense", None, self.generation, count=count)
-        wire = kernels.gather(xp, flat, indices,
-                              self._buffer(xp, ("packed", b), count, flat.dtype))
+        wire = kernels.gather(xp, flat, indices, self._scratch(xp, count, flat.dtype))
         return wire, Encoded(b, "copy", indices, self.generation, count=count)
 
     def _ternary_words(self, b, xp, flat, indices, residual, scale, count):
@@ -564,7 +618,7 @@ class StepEngine:
                 entry.spare = xp.empty(count, dtype=residual.dtype)
             new_residual = entry.spare
         key = ternary_key(self.seed, self.step, b, self.collectives.rank)
-        words = self._buffer(xp, ("words", b), self.codec.words_for(count), self.codec.word_dtype)
+        words = self._scratch(xp, self.codec.words_for(count), self.codec.word_dtype)
         kernels.ternary_encode(xp, flat, indices, residual, new_residual, float(scale), key,
                                self.codec, words)
         return words, new_residual
@@ -584,11 +638,43 @@ class StepEngine:
                 entry.values, entry.spare = ctx.residual, entry.values
         elif ctx.kind == "dense" and divisor is None:
             pass
+        elif ctx.kind == "compact":
+            kernels.expand(xp, flat, ctx.indices, divisor)
         else:
             kernels.scatter(xp, wire, ctx.indices, flat, divisor)
+        if ctx.scratch is not None:
+            self._give_back(ctx.scratch)
+            ctx.scratch = None  # a context decoded twice gives its buffer back once
         self.stats["unpack_seconds"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ state
+    def memory_report(self):
+        """Bytes of the arrays the engine keeps between steps, by :data:`MEMORY_COMPONENTS`:
+        survivor indices, mask snapshots, payload buffers (packed survivors, float16 copies),
+        ternary words and error-feedback residuals (with the spares the next encode writes).
+        Read from the live arrays, each counted once; a front end adds its own."""
+        report, seen = dict.fromkeys(MEMORY_COMPONENTS, 0), set()
+
+        def add(component, array):
+            if array is not None and id(array) not in seen:
+                seen.add(id(array))
+                report[component] += int(array.nbytes)
+
+        for state in self.tracker.buckets:
+            add("indices", state.indices)
+            add("snapshots", state.mask)
+        for snapshot, _ in self._snapshots.values():
+            add("snapshots", snapshot)
+        for (kind, _), buffer in self._buffers.items():
+            add("words" if kind == "words" else "payloads", buffer)
+        for (_, dtype), free in self._free.items():
+            for buffer in (buf for buffers in free.values() for buf in buffers):
+                add("payloads" if dtype.kind == "f" else "words", buffer)
+        for entry in self._residuals.values():
+            add("residuals", entry.values)
+            add("residuals", entry.spare)
+        return report
+
     def state_dict(self):
         """Step, tracker, error-feedback residuals (full-length host arrays), counters."""
         return {

@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["splitmix64_int", "mask_fingerprint", "uniform", "digest_ints"]
+__all__ = ["splitmix64_int", "mask_fingerprint", "bits_fingerprint", "uniform", "digest_ints"]
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -16,6 +16,7 @@ _MASK64 = (1 << 64) - 1
 # Two independent multilinear hashes: each collides with probability <= 2**-32 for two fixed,
 # different masks (32-bit words, random 64-bit weights), so together about 2**-64.
 _FINGERPRINT_KEYS = (0x5DEECE66D1234567, 0x2545F4914F6CDD1D)
+_FINGERPRINT_CHUNK = 1 << 16  # 32-bit words per pass: 2 Mi coordinates
 
 
 def splitmix64_int(value):
@@ -37,8 +38,8 @@ def splitmix64(xp, counters):
     return z
 
 
-def _weights(xp, count, key):
-    counters = xp.arange(count, dtype=xp.uint64)
+def _weights(xp, count, key, start=0):
+    counters = xp.arange(start, start + count, dtype=xp.uint64)
     counters *= xp.uint64(_GAMMA)
     counters += xp.uint64(key)
     return splitmix64(xp, counters)
@@ -50,18 +51,26 @@ def mask_fingerprint(xp, flat_mask):
     The mask is bit-packed into 32-bit words and hashed with two multilinear hashes whose
     weights come from SplitMix64 counters; only the two 64-bit sums leave the device.
     """
-    length = int(flat_mask.size)
-    bits = xp.packbits(flat_mask.astype(xp.bool_, copy=False))
+    return bits_fingerprint(xp, xp.packbits(flat_mask.astype(xp.bool_, copy=False)),
+                            flat_mask.size)
+
+
+def bits_fingerprint(xp, bits, length):
+    """:func:`mask_fingerprint` of the ``length``-coordinate mask whose ``xp.packbits`` is
+    ``bits`` (a :class:`pacmpi.bitmaps.Bitmap` keeps them)."""
+    length = int(length)
     pad = (-bits.size) % 4
     if pad:
         bits = xp.concatenate([bits, xp.zeros(pad, dtype=xp.uint8)])
-    words = bits.view(xp.uint32).astype(xp.uint64)
-    sums = []
-    for key in _FINGERPRINT_KEYS:
-        product = _weights(xp, words.size, key ^ length)
-        product *= words
-        sums.append(product.sum(dtype=xp.uint64) if words.size else xp.uint64(0))
-    pair = xp.stack([xp.asarray(s, dtype=xp.uint64) for s in sums])
+    words = bits.view(xp.uint32)
+    pair = xp.zeros(2, dtype=xp.uint64)
+    # Chunk by chunk, so the temporaries stay small: the sums wrap modulo 2**64 either way.
+    for start in range(0, words.size, _FINGERPRINT_CHUNK):
+        chunk = words[start:start + _FINGERPRINT_CHUNK].astype(xp.uint64)
+        for k, key in enumerate(_FINGERPRINT_KEYS):
+            product = _weights(xp, chunk.size, key ^ length, start)
+            product *= chunk
+            xp.add(pair[k:k + 1], product.sum(dtype=xp.uint64), out=pair[k:k + 1])
     high, low = (int(v) for v in (pair.get() if hasattr(pair, "get") else pair))
     return (splitmix64_int(high ^ length) << 64) | splitmix64_int(low + length)
 

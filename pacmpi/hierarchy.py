@@ -183,8 +183,7 @@ class HierarchicalEngine(StepEngine):
         # everywhere, which adds nothing to the leaders' digit sums.
         total = self._node_sums.pop(b)
         if not self.collectives.is_leader:
-            words = self._buffer(xp, ("words", b), self.codec.words_for(count),
-                                 self.codec.word_dtype)
+            words = self._scratch(xp, self.codec.words_for(count), self.codec.word_dtype)
             words[...] = 0
             return words, None
         return super()._ternary_words(b, xp, total, None, residual, scale, count)

@@ -287,7 +287,7 @@ class PacTrainReducer:
             self._begin_step(grads)
         self._ready.update(range(len(self._layout)))
         self._launch_ready(grads)
-        for b in range(len(self._layout)):
+        for b in list(self._pending):
             self._finish(b, grads)
         self.engine.end_step()
         self._reset_step()
@@ -361,11 +361,15 @@ class PacTrainReducer:
     def _launch_ready(self, grads, blocking=False):
         while self._next_launch in self._ready:
             self._launch(self._next_launch, grads, blocking)
+            if blocking:  # done: decode now, so the next bucket reuses its payload buffer
+                self._finish(self._next_launch, grads)
             self._next_launch += 1
 
     def _launch(self, b, grads, blocking):
         flat = self._flat(b, grads)
-        wire, ctx = self.engine.encode(b, flat)
+        # The bucket is the gradients' own storage or the reducer's buffer: packed lossless
+        # payloads are its own front, so they need no buffer.
+        wire, ctx = self.engine.encode(b, flat, in_place=True)
         request = None
         if wire.size:
             started = time.perf_counter()
@@ -388,6 +392,13 @@ class PacTrainReducer:
             bucket.unflatten(flat, grads)
 
     # ------------------------------------------------------------------ state
+    def memory_report(self):
+        """Bytes of the arrays this reducer keeps between steps, by component: the engine's
+        (:meth:`pacmpi.engine.StepEngine.memory_report`) and ``fusion``, the buffers of
+        buckets that are not views of the gradients."""
+        return dict(self.engine.memory_report(),
+                    fusion=sum(int(flat.nbytes) for flat in self._flat_buffers.values()))
+
     def state_dict(self):
         """Step, tracker, error-feedback residuals (host arrays), counters and the seed."""
         state = self.engine.state_dict()

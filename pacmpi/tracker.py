@@ -5,8 +5,7 @@ fingerprints that every rank has just agreed on, so every rank always takes the 
 """
 from dataclasses import dataclass
 
-from .arrays import array_module as _module_of
-from .hashing import mask_fingerprint
+from .hashing import bits_fingerprint
 
 __all__ = ["MaskTracker"]
 
@@ -15,8 +14,9 @@ __all__ = ["MaskTracker"]
 class BucketMaskState:
     """Tracker state of one bucket.
 
-    ``mask`` is the last flat boolean mask read (``None`` when no array of the bucket is
-    masked); ``indices`` the survivor positions while the bucket is packed, else ``None``.
+    ``mask`` is the last flat mask read, a :class:`pacmpi.bitmaps.Bitmap` (``None`` when no
+    array of the bucket is masked); ``indices`` the survivor positions
+    (:func:`pacmpi.bitmaps.index_dtype`) while the bucket is packed, else ``None``.
     """
 
     fingerprint: int = None
@@ -50,11 +50,12 @@ class MaskTracker:
         self.last_commit_step = None
 
     @staticmethod
-    def observe(xp, flat_mask):
-        """Fingerprint and survivor count of one bucket's flat mask (``None``: unmasked)."""
-        if flat_mask is None:
+    def observe(bitmap):
+        """Fingerprint and survivor count of one bucket's :class:`pacmpi.bitmaps.Bitmap`
+        (``None``: unmasked)."""
+        if bitmap is None:
             return None, None
-        return mask_fingerprint(xp, flat_mask), int(xp.count_nonzero(flat_mask))
+        return bits_fingerprint(bitmap.xp, bitmap.bits, bitmap.size), bitmap.count
 
     def commit(self, step, observations, masks):
         """Adopt agreed observations ``[(fingerprint, survivors)]`` and flat ``masks`` of ``step``.
@@ -101,7 +102,7 @@ class MaskTracker:
             bucket.stable_steps, bucket.mask = saved["stable_steps"], mask
             bucket.indices = None
             if saved["packed"]:
-                bucket.indices = _module_of(mask).flatnonzero(mask)
+                bucket.indices = mask.positions()
 
     def state_dict(self):
         return {

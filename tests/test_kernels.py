@@ -7,6 +7,7 @@ tests/host_cupy.py, launching gpu.SOURCE compiled for the host by tests/host_cud
 grid, warps whose lanes exchange values), so the CUDA kernels' logic runs without a GPU.
 """
 import functools
+import itertools
 import json
 import math
 import subprocess
@@ -136,8 +137,12 @@ def _gradient(rng, size, dtype, spread=3.0):
     return (rng.standard_normal(size) * spread).astype(dtype)
 
 
-def _survivors(rng, size, density):
-    return np.flatnonzero(rng.random(size) < density).astype(np.int64)
+# The engine keeps int32 positions (buckets under 2**31 elements); callers may pass int64.
+INDEX_DTYPES = [np.int32, np.int64]
+
+
+def _survivors(rng, size, density, index=np.int32):
+    return np.flatnonzero(rng.random(size) < density).astype(index)
 
 
 def _case(rng, dtype, size, packed, residual):
@@ -160,14 +165,50 @@ def test_gather_and_scatter_match_the_reference(xp):
     for dtype in _xp_dtypes(xp):
         for size in (0, 1, 7, 5003, BIG):
             flat = _gradient(rng, size, dtype)
-            for density in (0.0, 0.3, 1.0):
-                indices = _survivors(rng, size, density)
+            for density, index in itertools.product((0.0, 0.3, 1.0), INDEX_DTYPES):
+                indices = _survivors(rng, size, density, index)
                 check_both(xp, "gather", flat, indices, np.empty(indices.size, dtype))
                 payload = _gradient(rng, indices.size, dtype, spread=100.0)
                 for divisor in (None, 3, 4):
                     check_both(xp, "scatter", payload, indices, flat, divisor)
             for divisor in (None, 7):  # dense, in place: payload is flat itself
                 check_both(xp, "scatter", flat, None, flat, divisor)
+
+
+def _special(rng, flat):
+    """NaN, +Inf and -Inf at random places."""
+    if flat.size:
+        for value in (np.nan, np.inf, -np.inf):
+            flat[rng.integers(flat.size)] = value
+    return flat
+
+
+def test_in_place_compact_and_expand_match_the_reference():
+    rng = np.random.default_rng(7)
+    for dtype in DTYPES:
+        for size in (0, 1, 2, 7, 5003, BIG):
+            flat = _special(rng, _gradient(rng, size, dtype))
+            cases = [_survivors(rng, size, density, index)
+                     for density, index in itertools.product((0.0, 0.3, 0.9, 1.0), INDEX_DTYPES)]
+            cases += [np.array([rng.integers(size)], np.int32)] if size else []  # one survivor
+            for indices in cases:
+                check_both(np, "compact", flat, indices)
+                payload = _special(rng, _gradient(rng, size, dtype, spread=100.0))
+                for divisor in (None, 3, 4):
+                    check_both(np, "expand", payload, indices, divisor)
+
+
+def test_expanding_in_the_wrong_order_is_caught():
+    """Negative control: survivors moved back first first overwrite a payload value before it
+    is read; the cases above (adjacent survivors) see it."""
+    flat, indices = np.array([1.0, 2.0, 3.0], np.float32), np.array([1, 2], np.int32)
+    wrong = flat.copy()
+    for j in range(indices.size):
+        wrong[indices[j]] = wrong[j]
+    want = reference.expand(np, flat.copy(), indices)
+    assert not np.array_equal(wrong, want)
+    np.testing.assert_array_equal(kernels.expand(np, flat.copy(), indices), want)
+    np.testing.assert_array_equal(want, [0.0, 1.0, 2.0])
 
 
 @ON_EVERY_ROUTE
@@ -319,14 +360,15 @@ def test_ternary_encode_and_decode_match_the_reference(xp, word, dtype):
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # xp keeps no state
 @given(size=st.integers(0, 3000), density=st.floats(0.0, 1.0), ranks=st.sampled_from(RANKS),
        word=st.sampled_from(WORDS), dtype=st.sampled_from(DTYPES),
-       key=st.integers(0, 2 ** 64 - 1), scale=st.floats(0.5, 8.0))
+       key=st.integers(0, 2 ** 64 - 1), scale=st.floats(0.5, 8.0),
+       index=st.sampled_from(INDEX_DTYPES))
 def test_fused_codec_matches_the_reference_on_random_cases(xp, size, density, ranks, word,
-                                                           dtype, key, scale):
+                                                           dtype, key, scale, index):
     assume(dtype in _xp_dtypes(xp))
     rng = np.random.default_rng(size)
     codec = TernaryCodec(ranks, word)
     flat = _gradient(rng, size, dtype)
-    indices = _survivors(rng, size, density) if density < 1 else None
+    indices = _survivors(rng, size, density, index) if density < 1 else None
     count = size if indices is None else indices.size
     residual = (rng.standard_normal(count) * 0.5).astype(reference.compute_dtype(dtype))
     pairs = run_both(xp, "ternary_encode", flat, indices, residual, residual, scale, key, codec,
@@ -453,10 +495,25 @@ def test_warm_up_compiles_every_signature_a_step_needs():
     from pacmpi.kernels import cpu
     assert kernels.warm_up() == "numba"
     words = 2  # uint32 and uint64 views
-    expected = {"gather": 4, "scatter": 4, "absmax": 4, "ternary_encode": 4 * words,
-                "ternary_decode": 4 * words}
-    for name, kernel in cpu._KERNELS.items():
-        assert len(kernel.signatures) >= expected[name], name
+    expected = {"gather": 4, "scatter": 4, "compact": 4, "expand": 4, "absmax": 4,
+                "ternary_encode": 4 * words, "ternary_decode": 4 * words}
+    for name, kernel in cpu._KERNELS.items():  # the parallel kernels and their serial twins
+        for version in cpu._versions(kernel):
+            assert len(version.signatures) >= expected[name], (name, version)
+
+
+def test_small_calls_take_the_serial_twins(monkeypatch):
+    """Calls below SERIAL_BELOW values run the serial twin (no parallel region), larger ones
+    the pool; the comparisons above cover both (sizes on either side, BIG among them)."""
+    pytest.importorskip("numba")
+    from pacmpi.kernels import cpu
+    called, twin = [], cpu._SERIAL[cpu._absmax]
+    monkeypatch.setitem(cpu._SERIAL, cpu._absmax,
+                        lambda *args: called.append(args[0].size) or twin(*args))
+    for count in (1, cpu.SERIAL_BELOW - 1, cpu.SERIAL_BELOW):
+        flat = np.arange(count, dtype=np.float32)
+        assert kernels.absmax(np, flat, None, None) == reference.absmax(np, flat, None, None)
+    assert called == [1, cpu.SERIAL_BELOW - 1]  # the last one ran on the pool
 
 
 def test_importing_the_kernels_loads_neither_numba_nor_cupy():

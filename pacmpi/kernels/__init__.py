@@ -1,4 +1,5 @@
-"""Codec kernels: gather, scatter, absmax and ternary encode/decode, one fused pass per call.
+"""Codec kernels: gather, scatter, in-place compact/expand, absmax and ternary encode/decode,
+one fused pass per call.
 
 Three routes compute the same bits (see :func:`backend`):
 
@@ -14,6 +15,7 @@ Arrays the fused kernels do not take (not C-contiguous, or a conversion they do 
 exactly as NumPy) go to the reference too. Nothing here imports Numba or CuPy until a kernel
 runs on their arrays.
 """
+import itertools
 import os
 import warnings
 
@@ -22,8 +24,8 @@ import numpy as np
 from . import reference
 from .reference import compute_dtype
 
-__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "backend",
-           "set_backend", "warm_up", "compute_dtype", "BACKENDS"]
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
+           "ternary_decode", "backend", "set_backend", "warm_up", "compute_dtype", "BACKENDS"]
 
 BACKENDS = ("auto", "numba", "numpy")
 
@@ -114,18 +116,22 @@ def warm_up(dtypes=None):
     Returns the route that ran."""
     from ..arrays import supported_float_dtypes
     from ..ternary import TernaryCodec
-    for dtype in dtypes or supported_float_dtypes():
-        flat = np.ones(4, dtype)
-        indices = np.arange(2, dtype=np.int64)
-        residual = np.zeros(2, compute_dtype(dtype))
-        gather(np, flat, indices, np.empty(2, dtype))
-        scatter(np, np.ones(2, dtype), indices, flat, 2)
+    # Small calls run serial twins of the parallel kernels: compile both.
+    counts = (2, _cpu().SERIAL_BELOW) if backend(np) == "numba" else (2,)
+    for dtype, count in itertools.product(dtypes or supported_float_dtypes(), counts):
+        flat = np.ones(2 * count, dtype)
+        indices = np.arange(count, dtype=np.int32)  # the engine's positions (index_dtype)
+        residual = np.zeros(count, compute_dtype(dtype))
+        gather(np, flat, indices, np.empty(count, dtype))
+        scatter(np, np.ones(count, dtype), indices, flat, 2)
+        compact(np, flat, indices)
+        expand(np, flat, indices, 2)
         absmax(np, flat, indices, residual)
         for word in ("int32", "int64"):  # the kernels see unsigned views: one of each width
             codec = TernaryCodec(2, word)
             words = ternary_encode(np, flat, indices, residual, residual, 1.0, 0, codec,
-                                   np.empty(1, codec.word_dtype))
-            ternary_decode(np, words, 2, codec, 2, 1.0, 2, indices, flat)
+                                   np.empty(codec.words_for(count), codec.word_dtype))
+            ternary_decode(np, words, count, codec, 2, 1.0, 2, indices, flat)
     return backend(np)
 
 
@@ -141,8 +147,12 @@ def _count(flat, indices):
     return flat.size if indices is None else indices.size
 
 
-def _int64(indices):
-    return None if indices is None else indices.astype(np.int64, copy=False)
+def _positions(indices):
+    """Survivor positions as the kernels take them: int32 (what the engine keeps for buckets
+    under 2**31 elements: half the bytes) or int64 as given, any other integer type as int64."""
+    if indices is None or indices.dtype in (np.int32, np.int64):
+        return indices
+    return indices.astype(np.int64)
 
 
 def _check_float(name, array, dtype, size):
@@ -164,7 +174,7 @@ def _check_count(name, count, indices, flat):
 def gather(xp, flat, indices, out):
     """``out[j] = flat[indices[j]]`` (``flat[j]`` when indices is None), cast to out's dtype;
     returns ``out``."""
-    indices = _int64(indices)
+    indices = _positions(indices)
     _check_count("gather", out.size, indices, flat)
     fused = _fused(xp, flat, indices, out)
     if fused is None or not fused.converts(flat.dtype, out.dtype):
@@ -178,7 +188,7 @@ def scatter(xp, payload, indices, flat, divisor=None):
     when divisor is None).
     ``indices=None`` is dense: ``flat[:] = payload [/ divisor]``, and payload may be flat
     itself. Returns ``flat``."""
-    indices = _int64(indices)
+    indices = _positions(indices)
     _check_count("scatter", payload.size, indices, flat)
     fused = _fused(xp, payload, indices, flat)
     if fused is None or not fused.converts(payload.dtype, flat.dtype):
@@ -186,11 +196,31 @@ def scatter(xp, payload, indices, flat, divisor=None):
     return fused.scatter(payload, indices, flat, divisor)
 
 
+def compact(xp, flat, indices):
+    """``flat[:n] = flat[indices]`` in place for ``n`` survivors at ascending ``indices``: the
+    lossless payload written over the bucket's own front, no buffer. Returns ``flat[:n]``.
+    Compiled for NumPy arrays (one thread: moving forward in place does not split into
+    chunks); CuPy arrays take the reference, which copies the survivors first."""
+    indices = _positions(indices)
+    if backend(xp) != "numba" or not (flat.flags.c_contiguous and indices.flags.c_contiguous):
+        return reference.compact(xp, flat, indices)
+    return _cpu().compact(flat, indices)
+
+
+def expand(xp, flat, indices, divisor=None):
+    """The inverse of :func:`compact`, in place: :func:`scatter` of ``flat[:n]`` (the reduced
+    payload) into ``flat``, which may be ``flat`` itself only this way. Returns ``flat``."""
+    indices = _positions(indices)
+    if backend(xp) != "numba" or not (flat.flags.c_contiguous and indices.flags.c_contiguous):
+        return reference.expand(xp, flat, indices, divisor)
+    return _cpu().expand(flat, indices, divisor)
+
+
 def absmax(xp, flat, indices, residual):
     """``max_j |compute(flat[indices[j]]) + residual[j]|`` as a Python float: NaN or Inf when
     any value is not finite, 0.0 for no values. ``indices=None``: all of flat;
     ``residual=None``: no residual."""
-    indices = _int64(indices)
+    indices = _positions(indices)
     _check_float("residual", residual, compute_dtype(flat.dtype), _count(flat, indices))
     fused = _fused(xp, flat, indices, residual)
     if fused is None:
@@ -204,7 +234,7 @@ def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, cod
     drawing :func:`pacmpi.hashing.uniform` number j of ``key``; store
     ``residual_out[j] = v_j - q_j * scale`` (may be residual_in itself; None: not kept) and pack
     ``q_j + 1`` into ``words_out`` exactly as :meth:`TernaryCodec.encode`. Returns words_out."""
-    indices = _int64(indices)
+    indices = _positions(indices)
     count = _count(flat, indices)
     compute = compute_dtype(flat.dtype)
     _check_float("residual_in", residual_in, compute, count)
@@ -225,7 +255,7 @@ def ternary_decode(xp, words, count, codec, ranks, scale, divisor, indices, flat
     ``compute(s_j) * compute(scale) [/ compute(divisor)]`` cast once to flat's dtype;
     ``flat[:] = 0; flat[indices[j]] = value_j`` (``flat[j]`` when indices is None) for
     j < count. Returns ``flat``."""
-    indices = _int64(indices)
+    indices = _positions(indices)
     _check_count("ternary_decode", count, indices, flat)
     if words.dtype != codec.word_dtype or words.size < codec.words_for(count):
         raise ValueError(f"words must be at least {codec.words_for(count)} {codec.word_dtype} "

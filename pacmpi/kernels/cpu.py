@@ -8,7 +8,8 @@ the same counter-based random numbers, and float16/bfloat16 rounding done exactl
 ml_dtypes do it. Compiled code is cached on disk (``cache=True``): in ``NUMBA_CACHE_DIR`` when
 set, else in ``__pycache__`` beside this file, else (not writable) in ``~/.cache/numba``; one
 signature per dtype combination, loaded in milliseconds instead of compiled in about a second.
-Small calls run on the calling thread (:data:`SERIAL_BELOW`); the pool's size is Numba's
+Small calls run on the calling thread, compiled without a parallel region
+(:data:`SERIAL_BELOW`); the pool's size is Numba's
 (``NUMBA_NUM_THREADS``, ``numba.set_num_threads``).
 
 Numba cannot type float16 or bfloat16, so their arrays come in as **uint16 (float16) and int16
@@ -22,6 +23,7 @@ import functools
 import os
 import platform
 import threading
+from types import FunctionType
 
 import llvmlite.binding as llvm
 import numba
@@ -33,7 +35,8 @@ from numba.extending import intrinsic, overload
 
 from .reference import compute_dtype, digit_powers, division_tables
 
-__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "converts",
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
+           "ternary_decode", "converts",
            "compile_stats", "half_sum_function"]
 
 # Values per parallel work item: small enough to balance threads and stay in L1/L2, big enough
@@ -351,6 +354,32 @@ def _scatter(payload, indices, packed, flat, divisor, divide):
             flat[_at(indices, packed, j)] = x
 
 
+# In place, one thread: a parallel chunk would overwrite values another chunk has yet to read.
+@njit(**_JIT)
+def _compact(flat, indices):
+    """Survivor j moves forward from indices[j] >= j to j, first first: nothing unread is
+    overwritten."""
+    for j in range(indices.size):
+        flat[np.uint64(j)] = flat[np.uint64(indices[np.uint64(j)])]
+
+
+@njit(**_JIT)
+def _expand(flat, indices, divisor, divide):
+    """Survivor j moves back from j to indices[j] >= j, last first, each read before anything
+    lands on it; the gap after its new place (read already) becomes 0."""
+    end = np.uint64(flat.size)
+    for i in range(indices.size):
+        j = np.uint64(indices.size - 1 - i)
+        x = flat[j]
+        if divide:
+            x = _divide(x, divisor)
+        position = np.uint64(indices[j])
+        flat[position + _ONE:end].fill(0)
+        flat[position] = x
+        end = position
+    flat[:end].fill(0)
+
+
 @njit(**_PARALLEL)
 def _absmax(flat, indices, packed, residual, add_residual, count):
     # The maximum is taken over the IEEE bits of |v|: for non-negative floats their order is
@@ -456,26 +485,52 @@ def half_sum_function(name, soft=False):
 
 # ---------------------------------------------------------------- Python side
 _NO_INDICES = np.empty(0, dtype=np.int64)
-_KERNELS = {"gather": _gather, "scatter": _scatter, "absmax": _absmax,
+_KERNELS = {"gather": _gather, "scatter": _scatter, "compact": _compact, "expand": _expand,
+            "absmax": _absmax,
             "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode}
 
 
+def _serial_twin(kernel):
+    """The same kernel compiled without ``parallel=True`` (its prange a plain loop: the same
+    operations in the same order per value), for calls below :data:`SERIAL_BELOW` values:
+    entering a parallel region costs about 0.1 ms even on one thread, which a model of a few
+    hundred small tensors pays several times per tensor and step. Named apart, so Numba's
+    disk cache keeps its own entries."""
+    py = kernel.py_func
+    twin = FunctionType(py.__code__, py.__globals__, py.__name__ + "_serial", py.__defaults__,
+                        py.__closure__)
+    twin.__qualname__ = twin.__name__
+    twin.__doc__ = py.__doc__
+    # IEEE division (x / 0 is Inf or NaN), as parallel loop bodies compute it; Numba's
+    # default for plain functions raises ZeroDivisionError instead.
+    return njit(error_model="numpy", **_JIT)(twin)
+
+
+_SERIAL = {kernel: _serial_twin(kernel) for kernel in (_gather, _scatter, _absmax,
+                                                       _ternary_encode, _ternary_decode)}
+
+
 def compile_stats():
-    """Per kernel: signatures loaded from Numba's on-disk cache (hits) and compiled in this
-    process (misses), and the cache directory."""
-    return {name: {"cache_hits": sum(k.stats.cache_hits.values()),
-                   "compiled": sum(k.stats.cache_misses.values()),
+    """Per kernel (its parallel and serial versions together): signatures loaded from Numba's
+    on-disk cache (hits) and compiled in this process (misses), and the cache directory."""
+    return {name: {"cache_hits": sum(sum(d.stats.cache_hits.values()) for d in _versions(k)),
+                   "compiled": sum(sum(d.stats.cache_misses.values()) for d in _versions(k)),
                    "cache_dir": k.stats.cache_path}
             for name, k in _KERNELS.items()}
 
 
+def _versions(kernel):
+    return (kernel, _SERIAL[kernel]) if kernel in _SERIAL else (kernel,)
+
+
 def _view(array):
-    """The Numba-typable view of a float array (float16 -> uint16, bfloat16 -> int16)."""
-    if array.dtype == np.float16:
-        return array.view(np.uint16)
-    if array.dtype.name == "bfloat16":
-        return array.view(np.int16)
-    return array
+    """The Numba-typable view of a float array (float16 -> uint16, bfloat16 -> int16). Read
+    from the dtype's kind and size, not its name: ``dtype.name`` costs microseconds, paid
+    several times per tensor and step."""
+    dtype = array.dtype
+    if dtype.itemsize != 2:
+        return array
+    return array.view(np.uint16 if dtype.kind == "f" else np.int16)  # bfloat16's kind is V
 
 
 def _optional(array, dtype):
@@ -501,16 +556,11 @@ def converts(source, target):
 
 
 def _launch(kernel, count, *args):
-    """``kernel(*args)``, on this thread alone for small ``count`` (the setting is per thread)."""
+    """``kernel(*args)`` on the pool, or its serial twin on this thread for small ``count``."""
+    if count < SERIAL_BELOW:
+        return _SERIAL[kernel](*args)
     with _LAUNCH_LOCK:
-        if count >= SERIAL_BELOW:
-            return kernel(*args)
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1)
-        try:
-            return kernel(*args)
-        finally:
-            numba.set_num_threads(threads)
+        return kernel(*args)
 
 
 def _unsigned(words):
@@ -527,6 +577,18 @@ def scatter(payload, indices, flat, divisor=None):
     value = compute_dtype(flat.dtype).type(flat.dtype.type(divisor if divide else 1))
     _launch(_scatter, flat.size, _view(payload), *_indices(indices, flat.size), _view(flat),
             value, divide)
+    return flat
+
+
+def compact(flat, indices):
+    _compact(_view(flat), _indices(indices, flat.size)[0])
+    return flat[:indices.size]
+
+
+def expand(flat, indices, divisor=None):
+    divide = divisor is not None
+    value = compute_dtype(flat.dtype).type(flat.dtype.type(divisor if divide else 1))
+    _expand(_view(flat), _indices(indices, flat.size)[0], value, divide)
     return flat
 
 

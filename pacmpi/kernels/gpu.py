@@ -116,8 +116,8 @@ __device__ __forceinline__ float uniform(i64 j, u32 key_lo, u32 key_hi) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); \
          i += (i64)blockDim.x * gridDim.x)
 
-template<typename T, typename D>
-__global__ void scatter(const T* payload, const i64* indices, int packed, T* flat,
+template<typename T, typename D, typename I>
+__global__ void scatter(const T* payload, const I* indices, int packed, T* flat,
                         D divisor, int divide, i64 count) {
     GRID_STRIDE(j, count) {
         T x = payload[j];
@@ -127,8 +127,8 @@ __global__ void scatter(const T* payload, const i64* indices, int packed, T* fla
 
 // The maximum of |v| over the IEEE bits: for non-negative floats their order is the integer
 // order, NaN above Inf, so an integer atomicMax also reports non-finite values.
-template<typename T, typename C>
-__global__ void absmax(const T* flat, const i64* indices, int packed, const C* residual,
+template<typename T, typename C, typename I>
+__global__ void absmax(const T* flat, const I* indices, int packed, const C* residual,
                        int add_residual, i64 count, u64* result) {
     u64 top = 0;
     GRID_STRIDE(j, count) {
@@ -141,8 +141,8 @@ __global__ void absmax(const T* flat, const i64* indices, int packed, const C* r
     if ((threadIdx.x & 31) == 0) atomicMax(result, top);
 }
 
-template<typename T, typename C, typename W>
-__global__ void ternary_encode(const T* flat, const i64* indices, int packed,
+template<typename T, typename C, typename W, typename I>
+__global__ void ternary_encode(const T* flat, const I* indices, int packed,
                                const C* residual_in, int add_residual, C* residual_out,
                                int keep_residual, int positive, C scale, float scale32,
                                u32 key_lo, u32 key_hi, const u64* powers, int k, W* words,
@@ -165,10 +165,10 @@ __global__ void ternary_encode(const T* flat, const i64* indices, int packed,
 
 // Digit d of a word is (word // base**d) - base * (word // base**(d+1)); each quotient is a
 // Granlund-Montgomery multiply (magics[d], shifts[d] divide by base**(d+1)).
-template<typename T, typename C, typename W>
+template<typename T, typename C, typename W, typename I>
 __global__ void ternary_decode(const W* words, i64 count, int k, u64 base, const u64* magics,
                                const u64* shifts, i64 ranks, C scale, C divisor, int divide,
-                               const i64* indices, int packed, T* flat) {
+                               const I* indices, int packed, T* flat) {
     GRID_STRIDE(w, (count + k - 1) / k) {
         u64 word = words[w];
         u64 above = word;
@@ -189,7 +189,11 @@ OPTIONS = ("--std=c++14", "--fmad=false")  # NVRTC's; no FMA contraction: as the
 _BLOCK = 256
 _MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
 _CTYPES = {"float16": "half_bits", "bfloat16": "bf16_bits", "float32": "float",
-           "float64": "double", "uint32": "unsigned int", "uint64": "unsigned long long"}
+           "float64": "double", "uint32": "unsigned int", "uint64": "unsigned long long",
+           "int32": "int", "int64": "long long"}
+# Survivor positions come as int32 (buckets under 2**31 elements) or int64; unpacked calls
+# take the int64 instantiation with an empty stand-in.
+INDEX_DTYPES = ("int32", "int64")
 
 
 def _cupy():
@@ -206,11 +210,12 @@ def expressions():
     """Every kernel instantiation the wrappers below launch."""
     for storage in ("float16", "bfloat16", "float32", "float64"):
         compute = "float64" if storage == "float64" else "float32"
-        yield _expression("scatter", storage, compute)
-        yield _expression("absmax", storage, compute)
-        for word in ("uint32", "uint64"):
-            yield _expression("ternary_encode", storage, compute, word)
-            yield _expression("ternary_decode", storage, compute, word)
+        for index in INDEX_DTYPES:
+            yield _expression("scatter", storage, compute, index)
+            yield _expression("absmax", storage, compute, index)
+            for word in ("uint32", "uint64"):
+                yield _expression("ternary_encode", storage, compute, word, index)
+                yield _expression("ternary_decode", storage, compute, word, index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,7 +252,8 @@ def _optional(array, dtype):
 
 
 def _indices(indices):
-    return _optional(indices, np.int64)
+    """``(indices, packed)`` and the index dtype that picks the instantiation."""
+    return (*_optional(indices, np.int64), np.int64 if indices is None else indices.dtype)
 
 
 def _unsigned(words):
@@ -278,7 +284,8 @@ def scatter(payload, indices, flat, divisor=None):
     _zero_unwritten(flat, indices, count)
     divide = divisor is not None
     value = compute_dtype(payload.dtype).type(payload.dtype.type(divisor if divide else 1))
-    _launch(_kernel("scatter", payload.dtype, value.dtype), count, payload, *_indices(indices),
+    *index, index_dtype = _indices(indices)
+    _launch(_kernel("scatter", payload.dtype, value.dtype, index_dtype), count, payload, *index,
             flat, value, np.int32(divide), np.int64(count))
     return flat
 
@@ -287,7 +294,8 @@ def absmax(flat, indices, residual):
     compute = compute_dtype(flat.dtype)
     count = flat.size if indices is None else indices.size
     result = _cupy().zeros(1, dtype=np.uint64)
-    _launch(_kernel("absmax", flat.dtype, compute), count, flat, *_indices(indices),
+    *index, index_dtype = _indices(indices)
+    _launch(_kernel("absmax", flat.dtype, compute, index_dtype), count, flat, *index,
             *_optional(residual, compute), np.int64(count), result)
     bits = _cupy().asnumpy(result)
     return float(bits.view(np.float64)[0] if compute == np.float64
@@ -298,8 +306,9 @@ def ternary_encode(flat, indices, residual_in, residual_out, scale, key, codec, 
     compute = compute_dtype(flat.dtype)
     count = flat.size if indices is None else indices.size
     words = _unsigned(words_out)
-    _launch(_kernel("ternary_encode", flat.dtype, compute, words.dtype), words.size, flat,
-            *_indices(indices), *_optional(residual_in, compute),
+    *index, index_dtype = _indices(indices)
+    _launch(_kernel("ternary_encode", flat.dtype, compute, words.dtype, index_dtype),
+            words.size, flat, *index, *_optional(residual_in, compute),
             *_optional(residual_out, compute), np.int32(scale > 0), compute.type(scale),
             np.float32(scale), np.uint32(key & 0xFFFFFFFF), np.uint32((key >> 32) & 0xFFFFFFFF),
             _table("powers", codec), np.int32(codec.digits_per_word), words,
@@ -312,9 +321,9 @@ def ternary_decode(words, count, codec, ranks, scale, divisor, indices, flat):
     _zero_unwritten(flat, indices, count)
     words = _unsigned(words)
     divide = divisor is not None
-    _launch(_kernel("ternary_decode", flat.dtype, compute, words.dtype),
+    *index, index_dtype = _indices(indices)
+    _launch(_kernel("ternary_decode", flat.dtype, compute, words.dtype, index_dtype),
             codec.words_for(count), words, np.int64(count), np.int32(codec.digits_per_word),
             np.uint64(codec.base), *_table("division", codec), np.int64(ranks),
-            compute(scale), compute(divisor if divide else 1), np.int32(divide),
-            *_indices(indices), flat)
+            compute(scale), compute(divisor if divide else 1), np.int32(divide), *index, flat)
     return flat

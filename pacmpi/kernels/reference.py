@@ -11,8 +11,8 @@ import numpy as np
 
 from ..ternary import stochastic_ternary
 
-__all__ = ["compute_dtype", "digit_powers", "division_tables", "gather", "scatter", "absmax",
-           "ternary_encode", "ternary_decode"]
+__all__ = ["compute_dtype", "digit_powers", "division_tables", "gather", "scatter", "compact",
+           "expand", "absmax", "ternary_encode", "ternary_decode"]
 
 
 def compute_dtype(dtype):
@@ -79,6 +79,17 @@ def scatter(xp, payload, indices, flat, divisor=None):
     if divisor is not None:
         values = values / flat.dtype.type(divisor)
     return _place(xp, values, indices, flat)
+
+
+def compact(xp, flat, indices):
+    """``flat[:n] = flat[indices]`` (n survivors, ascending positions); returns ``flat[:n]``."""
+    flat[:indices.size] = flat[indices]
+    return flat[:indices.size]
+
+
+def expand(xp, flat, indices, divisor=None):
+    """The inverse of :func:`compact`, as :func:`scatter` of ``flat[:n]`` into ``flat``."""
+    return scatter(xp, flat[:indices.size].copy(), indices, flat, divisor)
 
 
 def absmax(xp, flat, indices, residual):

@@ -145,7 +145,7 @@ def test_state():
         assert bool(after) == original.collectives.is_leader, (rank, sorted(after))
         for b, bucket in enumerate(original.layout.buckets):
             state = original.tracker.buckets[b]
-            moved = flats[b] * (1 if state.mask is None else state.mask)
+            moved = flats[b] * (1 if state.mask is None else state.mask.unpack())
             if b in after:
                 moved += before.get(b, 0) - after[b]
             comm.Allreduce(MPI.IN_PLACE, moved)

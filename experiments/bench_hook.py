@@ -1,0 +1,274 @@
+"""``pacmpi bench hook``: pacmpi's own cost per step in the DDP hook and the Horovod compressor:
+memory by component and time per step against the number of parameter tensors.
+
+Run it on 2+ ranks: ``mpirun -n 2 pacmpi bench hook`` (or under ``torchrun``; gloo on CPU).
+
+``--part memory``: a stack of ``--layers`` ``Linear(width, width)`` layers, weights pruned to
+each density under random masks (biases unpruned), trained a few steps with plain DDP
+(``gradient_as_bucket_view=True``), with :func:`pactrain_hook` lossless and ternary; or, with
+``--frontend horovod``, with ``hvd.DistributedOptimizer`` without and with a
+:class:`PacTrainCompressor`. Columns as ``pacmpi bench memory``: each component the engine keeps
+between steps (:meth:`pacmpi.engine.StepEngine.memory_report`, live arrays), then ``peak`` (NumPy
+allocations, tracemalloc) and ``rss``: the peak resident memory above plain DDP's (Horovod's) run
+of the same model, all as ratios of the gradient bytes. Torch's own temporaries (the hook's
+``torch.cat`` of a DDP bucket's payloads, Horovod's copies) show in ``rss`` only.
+
+``--part time``: DDP (gloo, one thread per rank) of stacks of ``Linear(width, width)`` layers
+with the given numbers of parameter tensors at about the same parameter count (the width
+shrinks as the layers multiply), weights pruned 0.5; plain DDP, the hook lossless and ternary;
+the mean step (forward, backward, the all-reduces) over ``--steps`` after warm-up steps, the
+slowest rank's, and pacmpi's own time in it (the hook's calls and its decodes).
+"""
+import argparse
+import gc
+import os
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from pacmpi import kernels
+from pacmpi.bench import harness
+from pacmpi.bench.memory import COMPONENTS, ResidentPeak, random_mask, ratio_row
+from pacmpi.bench.memory import format_table as format_memory_table
+
+__all__ = ["run_memory", "run_time", "main"]
+
+MODES = {"plain": "plain", "lossless": None, "ternary": "ternary"}
+
+
+def _stack(layers, width, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def _masks(model, density):
+    return {name: torch.from_numpy(random_mask(p.numel(), density, seed=i).reshape(p.shape))
+            for i, (name, p) in enumerate(model.named_parameters()) if name.endswith("weight")}
+
+
+def _grad_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _init_ddp():
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:  # under mpirun
+        os.environ.update(RANK=os.environ["OMPI_COMM_WORLD_RANK"],
+                          WORLD_SIZE=os.environ["OMPI_COMM_WORLD_SIZE"],
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
+
+
+# ---------------------------------------------------------------- DDP
+def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
+    """Train ``steps`` steps; returns (engine or None, seconds per step, pacmpi seconds per
+    step) over the last ``steps`` (after 3 untimed ones when ``timed``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
+
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    state, own = None, [0.0]
+    if mode != "plain":
+        state = PacTrainHookState(model, _masks(model, density), quantize=MODES[mode])
+
+        def hook(state, bucket):
+            started = time.perf_counter()
+            try:
+                return pactrain_hook(state, bucket)
+            finally:
+                own[0] += time.perf_counter() - started
+
+        ddp.register_comm_hook(state, hook)
+    width = model[0].in_features
+    inputs = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    warmup = 3 if timed else 0
+    seconds = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        own_before = own[0] + (state.stats["unpack_seconds"] if state and state.engine else 0)
+        started = time.perf_counter()
+        ddp(inputs).square().mean().backward()
+        elapsed = time.perf_counter() - started
+        own_after = own[0] + (state.stats["unpack_seconds"] if state else 0)
+        if i >= warmup:
+            seconds.append((elapsed, own_after - own_before))
+        model.zero_grad(set_to_none=False)
+    step, mine = np.mean(seconds, axis=0) if seconds else (0.0, 0.0)
+    return (state.engine if state else None), float(step), float(mine)
+
+
+def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
+               modes=("lossless", "ternary"), steps=4):
+    kernels.warm_up([np.float32])  # compile (or load) the kernels: not a step's memory
+    for mode in ("plain",) + tuple(modes):  # warm torch's allocator
+        _ddp_run(dist, _stack(2, 64), 0.5, mode, 2)
+    rows = []
+    for density in densities:
+        baseline = None
+        for mode in ("plain",) + tuple(modes):
+            model = _stack(layers, width)
+            peak = ResidentPeak().start()
+            engine, _, _ = _ddp_run(dist, model, density, mode, steps)
+            peaks = peak.stop()
+            report = engine.memory_report() if engine else {}
+            del engine
+            if mode == "plain":
+                baseline = peaks
+            else:
+                peaks = {"peak": peaks["peak"], "rss": None if peaks["rss"] is None else
+                         peaks["rss"] - baseline["rss"]}
+                rows.append(_max_over_ranks(dist, ratio_row(
+                    report, _grad_bytes(model), peaks, frontend="ddp", mode=mode,
+                    density=density)))
+            del model
+            gc.collect()
+    return rows
+
+
+def _max_over_ranks(dist, row):
+    keys = [k for k in COMPONENTS + ("kept", "peak", "rss") if row.get(k) is not None]
+    values = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    row.update(zip(keys, values.tolist()))
+    return row
+
+
+def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossless",
+                                                                   "ternary")):
+    """Rows per (tensors, mode): ms per step and pacmpi's ms in it (slowest rank's). The
+    first count uses ``Linear(width, width)``; the others the width giving about the same
+    parameter count."""
+    torch.set_num_threads(1)
+    layers0 = tensors[0] // 2
+    params = layers0 * (width * width + width)
+    rows = []
+    for count in tensors:
+        layers = count // 2
+        w = width if count == tensors[0] else _width_for(params // layers)
+        for mode in modes:
+            model = _stack(layers, w)
+            _, step, mine = _ddp_run(dist, model, 0.5, mode, steps, timed=True)
+            times = torch.tensor([step, mine], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            rows.append({"tensors": count, "layers": layers, "width": w,
+                         "params": sum(p.numel() for p in model.parameters()), "mode": mode,
+                         "step_ms": times[0].item() * 1e3,
+                         "pacmpi_ms": times[1].item() * 1e3 if mode != "plain" else None})
+    return rows
+
+
+def _width_for(params_per_layer):
+    """The width whose ``Linear(w, w)`` has about ``params_per_layer`` parameters."""
+    return max(1, round((-1 + (1 + 4 * params_per_layer) ** 0.5) / 2))
+
+
+def format_time_table(rows):
+    return harness.format_table(rows, [
+        ("tensors", "tensors", ">7"), ("layers", "layers", ">6"), ("width", "width", ">5"),
+        ("params", "params", ">8"), ("mode", "mode", "<8"), ("step(ms)", "step_ms", ">9.2f"),
+        ("pacmpi(ms)", "pacmpi_ms", ">10.2f")])
+
+
+# ---------------------------------------------------------------- Horovod
+def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
+                       modes=("lossless", "ternary"), steps=4):
+    import horovod.torch as hvd
+
+    from pacmpi.adapters.horovod import PacTrainCompressor
+
+    hvd.init()
+    torch.set_num_threads(1)
+    kernels.warm_up([np.float32])
+    rows = []
+    # The first pass (a small model) loads the kernels and warms the allocators; not reported.
+    for density, width, report in [(0.5, 64, False)] + [(d, width, True) for d in densities]:
+        baseline = None
+        for mode in ("plain",) + tuple(modes):
+            model = _stack(layers, width)
+            peak = ResidentPeak().start()
+            compression = hvd.Compression.none
+            if mode != "plain":
+                compression = PacTrainCompressor(model, _masks(model, density),
+                                                 quantize=MODES[mode],
+                                                 average=mode == "ternary")
+            optimizer = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.0),
+                named_parameters=model.named_parameters(), compression=compression,
+                op=hvd.Sum if mode == "ternary" else hvd.Average)
+            inputs = torch.randn(32, width)
+            for _ in range(steps):
+                optimizer.zero_grad()
+                model(inputs).square().mean().backward()
+                optimizer.step()
+            peaks = peak.stop()
+            if mode == "plain":
+                baseline = peaks
+            elif report:
+                peaks["rss"] = None if peaks["rss"] is None else peaks["rss"] - baseline["rss"]
+                row = ratio_row(compression._engine.memory_report(), _grad_bytes(model),
+                                peaks, frontend="horovod", mode=mode, density=density)
+                keys = [k for k in COMPONENTS + ("kept", "peak", "rss") if row[k] is not None]
+                maxima = hvd.allreduce(torch.tensor([row[k] for k in keys],
+                                                   dtype=torch.float64), op=hvd.Max)
+                row.update(zip(keys, maxima.tolist()))
+                rows.append(row)
+            del model, optimizer, compression
+            gc.collect()
+    return rows, hvd.rank(), hvd.size()
+
+
+# ---------------------------------------------------------------- command
+def build_parser(parser=None):
+    parser = parser or argparse.ArgumentParser(prog="pacmpi bench hook",
+                                               description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("memory", "time", "all"), default="all")
+    parser.add_argument("--frontend", choices=("ddp", "horovod"), default="ddp",
+                        help="memory part: the DDP hook or the Horovod compressor")
+    parser.add_argument("--layers", type=int, default=8, help="memory part: Linear layers")
+    parser.add_argument("--width", type=int, default=1024, help="memory part: their width")
+    parser.add_argument("--densities", default="1.0,0.5,0.2")
+    parser.add_argument("--tensors", default="40,400",
+                        help="time part: parameter tensors per model (2 per layer)")
+    parser.add_argument("--time-width", type=int, default=64,
+                        help="time part: the width at the first tensor count")
+    parser.add_argument("--steps", type=int, default=20, help="time part: timed steps")
+    parser.add_argument("--json", default=None, help="write the report here (rank 0)")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    densities = [float(d) for d in args.densities.split(",")]
+    report, rank, size = {}, 0, 1
+    if args.frontend == "horovod":
+        if args.part == "time":
+            raise SystemExit("pacmpi bench hook: --part time is for DDP")
+        report["memory"], rank, size = run_memory_horovod(args.layers, args.width, densities)
+    else:
+        dist = _init_ddp()
+        rank, size = dist.get_rank(), dist.get_world_size()
+        if args.part in ("memory", "all"):
+            report["memory"] = run_memory(dist, args.layers, args.width, densities)
+        if args.part in ("time", "all"):
+            report["time"] = run_time(dist, [int(t) for t in args.tensors.split(",")],
+                                      args.time_width, args.steps)
+    if rank == 0:
+        if "memory" in report:
+            print(f"{args.frontend} memory per rank, ratio of the gradient bytes "
+                  f"({args.layers} x Linear({args.width}, {args.width}), {size} ranks; rss "
+                  f"above the run without pacmpi)")
+            print(format_memory_table(report["memory"]))
+        if "time" in report:
+            print(f"DDP step time, gloo, {size} ranks, 1 thread per rank, weights pruned 0.5, "
+                  f"mean of {args.steps} steps")
+            print(format_time_table(report["time"]))
+        if args.json:
+            harness.write_report(args.json, dict(report, ranks=size), "pacmpi bench hook")
+    return 0

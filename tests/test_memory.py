@@ -1,0 +1,129 @@
+"""What pacmpi keeps per bucket: masks as bitmaps (chunked reads equal the bool mask's), int32
+survivor positions, and memory_report() counting the live arrays; ``pacmpi bench memory``."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from pacmpi import PacTrainReducer, bitmaps, hashing
+from pacmpi.bench import memory
+from pacmpi.bitmaps import Bitmap, index_dtype
+
+SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 1001]
+
+
+def _masks(rng, size):
+    """Random, empty, full and single-survivor masks of ``size`` coordinates."""
+    yield rng.random(size) < 0.4
+    yield np.zeros(size, bool)
+    yield np.ones(size, bool)
+    if size:
+        one = np.zeros(size, bool)
+        one[rng.integers(size)] = True
+        yield one
+
+
+@pytest.fixture(params=[8, 16, bitmaps.CHUNK], ids=lambda c: f"chunk{c}")
+def chunk(request, monkeypatch):
+    monkeypatch.setattr(bitmaps, "CHUNK", request.param)
+    return request.param
+
+
+def test_bitmap_reads_equal_the_bool_mask(chunk):
+    rng = np.random.default_rng(0)
+    for size in SIZES:
+        for mask in _masks(rng, size):
+            bitmap = Bitmap(mask)
+            assert bitmap.nbytes == (size + 7) // 8 and bitmap.count == mask.sum()
+            np.testing.assert_array_equal(bitmap.unpack(), mask)
+            positions = bitmap.positions()
+            assert positions.dtype == np.int32
+            np.testing.assert_array_equal(positions, np.flatnonzero(mask))
+            values = rng.standard_normal(size).astype(np.float32)
+            values[::5] = np.nan
+            expected = values.copy()
+            np.copyto(expected, 0, where=~mask)
+            bitmap.zero_pruned(values)
+            np.testing.assert_array_equal(values, expected)  # NaN where kept, 0 where pruned
+            assert bitmap.matches(mask.copy())
+            if size:  # negative control: one coordinate flipped is another mask
+                other = mask.copy()
+                other[rng.integers(size)] ^= True
+                assert not bitmap.matches(other)
+            assert not bitmap.matches(np.append(mask, True))
+
+
+def test_fingerprint_of_the_bits_is_the_masks_whatever_the_chunking(monkeypatch):
+    rng = np.random.default_rng(1)
+    masks = [rng.random(size) < 0.3 for size in (0, 5, 32, 33, 4099)]
+    whole = [hashing.mask_fingerprint(np, m) for m in masks]
+    monkeypatch.setattr(hashing, "_FINGERPRINT_CHUNK", 3)
+    assert [hashing.bits_fingerprint(np, Bitmap(m).bits, m.size) for m in masks] == whole
+    assert hashing.bits_fingerprint(np, Bitmap(masks[-1]).bits, 4098) != whole[-1]
+
+
+def test_positions_are_int32_below_2_to_the_31():
+    assert index_dtype(2 ** 31) == np.int32
+    assert index_dtype(2 ** 31 + 1) == np.int64
+
+
+def _stepped(quantize, density, size=1001, steps=3):
+    mask = np.random.default_rng(2).random(size) < density
+    reducer = PacTrainReducer([mask], comm=MPI.COMM_SELF, quantize=quantize)
+    for step in range(steps):
+        reducer.reduce([np.random.default_rng(step).standard_normal(size).astype(np.float32)])
+    return reducer, int(mask.sum())
+
+
+def test_memory_report_counts_the_live_arrays():
+    reducer, kept = _stepped(None, 0.5)
+    assert reducer.engine.packed_indices(0).dtype == np.int32
+    report = reducer.memory_report()
+    # Lossless payloads are the bucket's own front (compacted in place): no buffer.
+    assert report == {"indices": 4 * kept, "snapshots": (1001 + 7) // 8, "payloads": 0,
+                      "words": 0, "residuals": 0, "fusion": 0}
+    dense, _ = _stepped(None, 1.0)  # nothing pruned: nothing packed
+    assert dense.memory_report() == dict(report, indices=0)
+    fp16, _ = _stepped("fp16", 0.5)  # a float16 copy of the survivors
+    assert fp16.memory_report() == dict(report, payloads=2 * kept)
+    ternary, _ = _stepped("ternary", 0.5)
+    report = ternary.memory_report()
+    # The survivors' residual, and the spare the next encode writes into.
+    assert report["residuals"] == 2 * 4 * kept and report["payloads"] == 0
+    codec = ternary.engine.codec
+    assert report["words"] == codec.words_for(kept) * codec.word_dtype.itemsize > 0
+
+
+def test_buckets_reduced_one_after_another_share_one_payload_buffer():
+    rng = np.random.default_rng(3)
+    sizes = [300, 500, 200]
+    masks = [rng.random(n) < 0.5 for n in sizes]
+    grads = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    blocking = PacTrainReducer(masks, comm=MPI.COMM_SELF, bucket_bytes=64, quantize="fp16",
+                               stable_steps=0)
+    overlapped = PacTrainReducer(masks, comm=MPI.COMM_SELF, bucket_bytes=64, quantize="fp16",
+                                 stable_steps=0)
+    for _ in range(3):
+        one, other = [g.copy() for g in grads], [g.copy() for g in grads]
+        blocking.reduce(one)
+        overlapped.start(other)
+        overlapped.wait(other)
+        for a, b, g, m in zip(one, other, grads, masks):
+            expected = (g * m).astype(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(a, expected)
+            np.testing.assert_array_equal(b, expected)
+    assert len(blocking.layout) == 3 and blocking.stats["packed_reductions"] == 9
+    kept = [int(m.sum()) for m in masks]
+    assert blocking.memory_report()["payloads"] == 2 * max(kept)  # one, the largest
+    assert overlapped.memory_report()["payloads"] == 2 * sum(kept)  # in flight together
+
+
+def test_bench_memory_rows_add_up():
+    rows = memory.run(elements=4096, densities=(1.0, 0.5), modes=("lossless", "ternary"),
+                      steps=2, comm=MPI.COMM_SELF)
+    assert [(r["mode"], r["density"]) for r in rows] == [
+        ("lossless", 1.0), ("lossless", 0.5), ("ternary", 1.0), ("ternary", 0.5)]
+    for row in rows:
+        assert row["kept"] == pytest.approx(sum(row[c] for c in memory.COMPONENTS))
+        assert row["peak"] >= 0
+    assert rows[1]["indices"] == 0.5 and rows[1]["payloads"] == 0  # int32, in place
+    assert "indices" in memory.format_table(rows).splitlines()[0]
