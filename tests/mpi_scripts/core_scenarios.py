@@ -9,6 +9,8 @@ from pacmpi import LayoutMismatchError, MaskMismatchError, PacTrainReducer, Rank
 from pacmpi.arrays import supported_float_dtypes
 from pacmpi.ternary import stochastic_ternary, ternary_key
 
+from mismatch_checks import expect_raise
+
 comm = MPI.COMM_WORLD
 rank, world = comm.Get_rank(), comm.Get_size()
 SHAPES = [(17, 5), (), (0,), (33,), (4, 4, 3), (1,), (9,)]
@@ -40,16 +42,6 @@ def assert_exact(grads, reference, what):
         expected = r.astype(g.dtype)
         if not np.array_equal(g, expected):
             raise AssertionError(f"{what}: gradient {i} differs: {g} vs {expected}")
-
-
-def expect_raise(error_type, fn, *needles):
-    try:
-        fn()
-    except error_type as exc:
-        for needle in needles:
-            assert needle in str(exc), (needle, str(exc))
-        return exc
-    raise AssertionError(f"{error_type.__name__} was not raised on rank {rank}")
 
 
 def test_exact():

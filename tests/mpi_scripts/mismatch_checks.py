@@ -1,4 +1,5 @@
-"""The check shared by the DDP and Horovod scenario modules' mismatch tests."""
+"""Checks shared by the scenario modules: an expected error, and the DDP and Horovod mismatch
+tests' stop at step 2."""
 import re
 
 
@@ -11,3 +12,14 @@ def assert_stopped_at_step_2(error, finished, last, parameter):
                      message), message
     assert f"rank {last} on " in message, message
     assert f"masks differ from rank 0's for [{parameter!r}]" in message, message
+
+
+def expect_raise(error_type, fn, *needles):
+    """``fn()`` raises ``error_type`` naming every needle; returns the exception."""
+    try:
+        fn()
+    except error_type as exc:
+        for needle in needles:
+            assert needle in str(exc), (needle, str(exc))
+        return exc
+    raise AssertionError(f"{error_type.__name__} was not raised")

@@ -35,6 +35,8 @@ from pacmpi.adapters.torch_sync import PacTrainSync
 from pacmpi.arrays import supported_float_dtypes
 from pacmpi.sharded import ShardedReducer, balanced_counts
 
+from mismatch_checks import expect_raise
+
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 STEPS = 4
@@ -75,16 +77,6 @@ def count_cases():
     """Per-rank counts: even, uneven, a rank with none, fewer elements than ranks, nothing."""
     return [[3] * size, [r % 3 for r in range(size)], [0] + [2] * (size - 1),
             balanced_counts(size - 1, size), [0] * size, [7] + [0] * (size - 1)]
-
-
-def expect_raise(error_type, fn, *needles):
-    try:
-        fn()
-    except error_type as exc:
-        for needle in needles:
-            assert needle in str(exc), (needle, str(exc))
-        return exc
-    raise AssertionError(f"{error_type.__name__} was not raised on rank {rank}")
 
 
 def same_on_every_rank(arrays):
