@@ -102,13 +102,14 @@ def test_kernel_launches_are_logged(cupy):
 
     module = cupy.RawModule(code=gpu.SOURCE, options=gpu.OPTIONS,
                             name_expressions=list(gpu.expressions()))
-    payload, indices = cupy.arange(2, dtype=np.float32), cupy.arange(2)
+    payload, indices = cupy.arange(2, dtype=np.float32), cupy.arange(2, dtype=np.int64)
     flat = cupy.zeros(5, dtype=np.float32)
+    name = gpu._expression("scatter", np.float32, np.float32, np.int64)
     with cupy.recording() as log:
-        module.get_function("scatter<float, float>")(
+        module.get_function(name)(
             (1,), (32,), (payload, indices, np.int32(1), flat, np.float32(1), np.int32(0),
                           np.int64(2)))
-    assert [(e.kind, e.what) for e in log] == [("work", "scatter<float, float>")]
+    assert [(e.kind, e.what) for e in log] == [("work", name)]
     assert flat.get().tolist() == [0, 1, 0, 0, 0]
 
 
