@@ -26,7 +26,7 @@ from pacmpi import LayoutMismatchError, MaskMismatchError, RankInputError
 from pacmpi.adapters.ddp import PacTrainHookState, TorchDistCollectives, pactrain_hook
 from pacmpi.adapters.pruning import MaskEnforcer, masks_from_torch_prune
 
-from mismatch_checks import assert_stopped_at_step_2
+from mismatch_checks import assert_stopped_at_step_2, expect_raise
 
 LR = 2.0 ** -6
 SMALL = {"bucket_cap_mb": 0.0002}  # ~200 bytes: several buckets once DDP rebuilds them
@@ -135,16 +135,6 @@ def assert_same(run, reference, exact=None):
     assert len(set(digests)) == 1, "ranks ended with different weights"
 
 
-def expect(error_type, call, *needles):
-    try:
-        call()
-    except error_type as exc:
-        for needle in needles:
-            assert needle in str(exc), (needle, str(exc))
-        return exc
-    raise AssertionError(f"no {error_type.__name__}; expected one naming {needles}")
-
-
 # ---------------------------------------------------------------------------------- scenarios
 def test_match():
     """Equal to DDP's all-reduce of masked grads: rebuilt buckets, static_graph,
@@ -183,8 +173,8 @@ def test_early_state():
     # Pickled before binding (options and masks travel), bound to the new process's model.
     state = pickle.loads(pickle.dumps(PacTrainHookState(Net(), make_masks(Net()),
                                                         quantize="ternary")))
-    expect(RuntimeError, lambda: Run(model=Net(), masks=state.masks, state=state).step(0),
-           "call state.bind(model) first")
+    expect_raise(RuntimeError, lambda: Run(model=Net(), masks=state.masks, state=state).step(0),
+                 "call state.bind(model) first")
     run = Run(model=Net(), masks=state.masks, state=state)
     state.bind(run.ddp)
     for step in range(4):
@@ -338,13 +328,13 @@ def test_checkpoint():
 
     saved = reference.state.state_dict()
     assert saved["residuals"] and saved["step"] == 6, saved.keys()
-    expect(RankInputError, lambda: Run().state.load_state_dict(saved), "quantize='ternary'")
+    expect_raise(RankInputError, lambda: Run().state.load_state_dict(saved), "quantize='ternary'")
     masks = make_masks(Net())
     if RANK == SIZE - 1:
         masks["a.weight"].view(-1)[:2] ^= True
     run = Run(masks=masks, quantize="ternary")
-    expect(RankInputError, lambda: run.state.load_state_dict(saved),
-           f"rank {SIZE - 1}: ValueError: masks of ['a.weight'] differ")
+    expect_raise(RankInputError, lambda: run.state.load_state_dict(saved),
+                 f"rank {SIZE - 1}: ValueError: masks of ['a.weight'] differ")
     assert run.state.step == 0
 
 
@@ -355,24 +345,25 @@ def test_errors():
     masks = make_masks(model)
     if RANK == last:
         masks["a.weight"] = masks["a.weight"][:, :5]
-    expect(RankInputError, lambda: PacTrainHookState(model, masks).bind(),
-           f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
-    expect(RankInputError, lambda: PacTrainHookState(model, {"nope": None}).bind(), "['nope']")
+    expect_raise(RankInputError, lambda: PacTrainHookState(model, masks).bind(),
+                 f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
+    expect_raise(RankInputError, lambda: PacTrainHookState(model, {"nope": None}).bind(),
+                 "['nope']")
     # Binding at the first hook call: from backward() on every rank; the state stays unbound.
     state = PacTrainHookState(model, masks)
     ddp = DDP(model)
     ddp.register_comm_hook(state, pactrain_hook)
     x, t = batch(0, RANK)
-    expect(RankInputError, lambda: (ddp(x) * t).sum().backward(),
-           f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
+    expect_raise(RankInputError, lambda: (ddp(x) * t).sum().backward(),
+                 f"rank {last}: ValueError: mask of 'a.weight' has shape (10, 5)")
     assert state._params is None and state.engine is None
-    expect(ValueError, lambda: PacTrainHookState(model, {}, quantize="fp8"), "quantize")
+    expect_raise(ValueError, lambda: PacTrainHookState(model, {}, quantize="fp8"), "quantize")
 
     # find_unused_parameters keeps DDP's first buckets (capped per rank): the last rank's
     # differ. Every rank raises LayoutMismatchError from backward() at step 0.
     cap = 25 if RANK == last else 0.0002
     run = Run(ddp_kw={"bucket_cap_mb": cap, "find_unused_parameters": True})
-    error = expect(LayoutMismatchError, lambda: run.step(0), "ranks disagree on DDP bucket 0",
+    error = expect_raise(LayoutMismatchError, lambda: run.step(0), "ranks disagree on DDP bucket 0",
                    f"offending ranks: [{last}]")
     assert error.offending_ranks == (last,), error.offending_ranks
     # The process group is still in step: a later collective completes.
