@@ -17,16 +17,35 @@ Example::
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()                             # collective
+
+Under ``DistributedDataParallel``, :func:`sharded_hook` overlaps the step with backward::
+
+    optimizer = ShardedOptimizer(model, torch.optim.Adam, masks=masks, lr=1e-3,
+                                 collectives=TorchDistCollectives())
+    ddp_model.register_comm_hook(optimizer, sharded_hook)   # backward() steps
+
+Each DDP bucket's survivors are reduce-scattered (asynchronously) as soon as DDP hands the
+bucket over, while backward goes on; when the last bucket is in, every rank waits for its
+blocks, steps the optimizer on its shard and all-gathers the updated weights -- the schedule of
+PyTorch's ``hook_with_zero_step`` (``ddp_zero_hook``), whose reduce-scatters are all-reduces
+and whose all-gathers are broadcasts. That hook itself is no option here: torch 2.13 refuses it
+on gloo ("Gloo backend using Overlapping DDP with ZeRO may meet hangs") and it shards whole
+parameters, not survivors. FSDP's sharded hooks (FSDP1 ``register_comm_hook(state, hook)``
+with ``hook(state, grad, output)``, FSDP2 ``set_custom_reduce_scatter``) fill a fixed, equal,
+dense shard of every flat parameter, pruned coordinates included, so the optimizer state could
+shrink by 1/N but never by the density.
 """
 import torch
+import torch.distributed as dist
 
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
+from pacmpi.adapters.torch_collectives import TorchDistCollectives
 from pacmpi.adapters.torch_sync import model_masks
 from pacmpi.collectives import default_collectives
 from pacmpi.sharded import ShardedReducer
 from pacmpi.verify import run_together
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "sharded_hook"]
 
 
 class ShardedOptimizer:
@@ -48,7 +67,9 @@ class ShardedOptimizer:
 
     ``self.optimizer`` is the inner optimizer (give it to an LR scheduler). ``p.grad`` keeps
     this rank's own gradient: only the shard's is reduced, so clipping by the global norm
-    needs the shard's norms summed over ranks (not provided yet).
+    needs the shard's norms summed over ranks (not provided yet). As a DDP hook's state
+    (:func:`sharded_hook`), ``collectives`` must be the DDP process group's
+    :class:`TorchDistCollectives`; :meth:`step` after a hooked backward does nothing.
     """
 
     def __init__(self, model, optimizer_class, *, masks=None, comm=None, collectives=None,
@@ -71,6 +92,10 @@ class ShardedOptimizer:
                                                         dtype=first.dtype, device=first.device))
             self.reducer.param_shard(self._weights(), as_array(self.shard.data))
         self.optimizer = optimizer_class([self.shard], **defaults)
+        self._slot = {id(p): i for i, p in enumerate(self.params)}
+        self._parts = {}  # (DDP bucket index, its parameters' ids) -> ShardPart
+        self._blocks = None  # the DDP step in progress: [(part, block, payload, work)]
+        self._hooked = False  # the hook stepped since the last step()
 
     @property
     def collectives(self):
@@ -96,17 +121,95 @@ class ShardedOptimizer:
     def step(self):
         """Reduce-scatter the gradients' survivors, step the optimizer on this rank's shard,
         all-gather the updated survivors into every rank's parameters. Collective; a
-        parameter without a gradient contributes zeros."""
+        parameter without a gradient contributes zeros. Nothing, after :func:`sharded_hook`
+        stepped in backward."""
+        if self._hooked:
+            self._hooked = False
+            return
         grads = [as_array(p.grad if p.grad is not None else torch.zeros_like(p))
                  for p in self.params]
-
-        def update(grad_shard, weight_shard):
-            self.shard.grad = as_tensor(grad_shard)
-            self.optimizer.step()
-
         with torch.no_grad():
-            self.reducer.step(grads, self._weights(), update, as_array(self.shard.data))
-        self.shard.grad = None
+            self.reducer.step(grads, self._weights(), self._update, as_array(self.shard.data))
+
+    def _update(self, grad_shard, weight_shard=None):
+        """The inner optimizer's step on the shard (its weights already in ``self.shard``)."""
+        self.shard.grad = as_tensor(grad_shard)
+        try:
+            self.optimizer.step()
+        finally:
+            self.shard.grad = None
+
+    # ------------------------------------------------------------------ DDP
+    def _part(self, bucket):
+        """The bucket's :class:`ShardPart`; a layout seen for the first time is agreed by every
+        rank first (a difference, or a parameter this optimizer does not train, raises on every
+        rank together)."""
+        params = bucket.parameters()
+        key = (bucket.index(), tuple(map(id, params)))
+        if key not in self._parts:
+            error, slots = None, []
+            try:
+                if not isinstance(self.collectives, TorchDistCollectives):
+                    raise TypeError(f"sharded_hook needs collectives=TorchDistCollectives("
+                                    f"process_group), got {type(self.collectives).__name__}")
+                for param in params:
+                    if id(param) not in self._slot:
+                        raise ValueError(f"DDP bucket {key[0]} holds a {tuple(param.shape)} "
+                                         "parameter this optimizer does not train")
+                    slots.append(self._slot[id(param)])
+            except (TypeError, ValueError) as exc:
+                error = exc
+            self.reducer.engine.agree_layout(
+                f"DDP bucket {key[0]}", [self.names[s] for s in slots]
+                + ["(last)" if bucket.is_last() else "(not last)"], error)
+            self._parts[key] = self.reducer.layout.part(slots)
+        return self._parts[key]
+
+    def _hook(self, bucket):
+        index = bucket.index()
+        if index == 0:
+            if self._blocks is not None:  # the last step never finished
+                self.reducer.engine.abandon_step()
+            self._blocks = None
+            self.reducer.begin_step()
+            self._blocks = []
+        elif self._blocks is None:
+            raise RuntimeError(f"DDP bucket {index} reduced outside a step (bucket 0 failed?)")
+        part = self._part(bucket)
+        grads = {self._slot[id(p)]: as_array(g)
+                 for p, g in zip(bucket.parameters(), bucket.gradients())}
+        buffer = bucket.buffer()
+        payload = buffer.new_empty(part.size)
+        part.gather(grads, as_array(payload))
+        block, work = buffer.new_empty(part.counts[self.collectives.rank]), None
+        if part.size:
+            work = dist.reduce_scatter(block, list(torch.split(payload, part.counts)),
+                                       group=self.collectives.group, async_op=True)
+            self.reducer.stats["bytes_sent"] += payload.numel() * payload.element_size()
+        self._blocks.append((part, block, payload, work))
+        if bucket.is_last():
+            self._finish_step()
+        done = torch.futures.Future()
+        done.set_result(buffer)  # p.grad keeps this rank's own gradient
+        return done
+
+    def _finish_step(self):
+        """Wait for every bucket's block, step the shard, all-gather the weights."""
+        blocks, self._blocks = self._blocks, None
+        if sum(part.size for part, _, _, _ in blocks) != self.reducer.layout.total:
+            raise ValueError("DDP's buckets did not hold every parameter this optimizer trains")
+        grad_shard = torch.empty_like(self.shard)
+        for part, block, _, work in blocks:
+            if work is not None:
+                work.wait()
+            part.place(as_array(block), as_array(grad_shard))
+        self.reducer.end_step(as_array(grad_shard))
+        with torch.no_grad():
+            weights = self._weights()
+            self.reducer.param_shard(weights, as_array(self.shard.data))
+            self._update(as_array(grad_shard))
+            self.reducer.allgather(as_array(self.shard.data), weights)
+        self._hooked = True
 
     # ------------------------------------------------------------------ state
     def _sharded_keys(self, state):
@@ -162,3 +265,11 @@ class ShardedOptimizer:
                 for key, value in saved["state"].items()}
         self.optimizer.load_state_dict({"state": {0: mine} if mine else {},
                                         "param_groups": saved["param_groups"]})
+
+
+def sharded_hook(optimizer, bucket):
+    """DDP communication hook: ``ddp_model.register_comm_hook(optimizer, sharded_hook)`` with
+    a :class:`ShardedOptimizer` over the DDP model's module. Reduce-scatters the bucket's
+    survivors; the last bucket steps the optimizer and all-gathers the weights. The future
+    holds the bucket as it came: ``p.grad`` keeps this rank's own gradient."""
+    return optimizer._hook(bucket)
