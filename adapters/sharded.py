@@ -35,6 +35,9 @@ with ``hook(state, grad, output)``, FSDP2 ``set_custom_reduce_scatter``) fill a 
 dense shard of every flat parameter, pruned coordinates included, so the optimizer state could
 shrink by 1/N but never by the density.
 """
+import math
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,22 +67,28 @@ class ShardedOptimizer:
     comm, collectives, average, verify_every, abort_on_error:
         As for :class:`pacmpi.sharded.ShardedReducer`; ``comm`` defaults to a duplicate of
         ``COMM_WORLD``.
+    max_grad_norm:
+        Clip the averaged gradient to this global L2 norm before each step, as
+        ``torch.nn.utils.clip_grad_norm_`` would over the whole model (the shards' sums of
+        squares are all-reduced, in float64); ``self.grad_norm`` is the last norm.
 
     ``self.optimizer`` is the inner optimizer (give it to an LR scheduler). ``p.grad`` keeps
-    this rank's own gradient: only the shard's is reduced, so clipping by the global norm
-    needs the shard's norms summed over ranks (not provided yet). As a DDP hook's state
+    this rank's own gradient: only the shard's is reduced (clip with ``max_grad_norm``, not
+    by ``p.grad``). As a DDP hook's state
     (:func:`sharded_hook`), ``collectives`` must be the DDP process group's
     :class:`TorchDistCollectives`; :meth:`step` after a hooked backward does nothing.
     """
 
     def __init__(self, model, optimizer_class, *, masks=None, comm=None, collectives=None,
-                 average=True, verify_every=1, abort_on_error=None, **defaults):
+                 average=True, verify_every=1, abort_on_error=None, max_grad_norm=None,
+                 **defaults):
         self.model = model
         if collectives is None:
             collectives = default_collectives(comm)
         # Raised on every rank together, before the reducer's own collectives.
         self.params, self.names, mask_list, self._mask_names = run_together(
-            collectives, model_masks, model, masks)
+            collectives, _checked_input, model, masks, max_grad_norm)
+        self.max_grad_norm, self.grad_norm = max_grad_norm, None
         self._masks = mask_list
         self.reducer = ShardedReducer(
             [None if m is None else as_array(m) for m in mask_list], collectives=collectives,
@@ -132,8 +141,16 @@ class ShardedOptimizer:
             self.reducer.step(grads, self._weights(), self._update, as_array(self.shard.data))
 
     def _update(self, grad_shard, weight_shard=None):
-        """The inner optimizer's step on the shard (its weights already in ``self.shard``)."""
+        """The inner optimizer's step on the shard (its weights already in ``self.shard``),
+        its gradient clipped first when asked. Collective when clipping."""
         self.shard.grad = as_tensor(grad_shard)
+        if self.max_grad_norm is not None:
+            squares = np.array([float(self.shard.grad.double().square().sum())])
+            self.collectives.allreduce(squares, "sum")
+            self.grad_norm = math.sqrt(squares[0])
+            coefficient = self.max_grad_norm / (self.grad_norm + 1e-6)  # torch's epsilon
+            if coefficient < 1:
+                self.shard.grad.mul_(coefficient)
         try:
             self.optimizer.step()
         finally:
@@ -265,6 +282,13 @@ class ShardedOptimizer:
                 for key, value in saved["state"].items()}
         self.optimizer.load_state_dict({"state": {0: mine} if mine else {},
                                         "param_groups": saved["param_groups"]})
+
+
+def _checked_input(model, masks, max_grad_norm):
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+    return model_masks(model, masks)
 
 
 def sharded_hook(optimizer, bucket):

@@ -277,6 +277,48 @@ def test_sharded_optimizer_equals_pactrain_sync():
                 len(moments) * layout.total
 
 
+def test_clipping_matches_clip_grad_norm():
+    """max_grad_norm clips the averaged gradient to its global norm as clip_grad_norm_ does on
+    replicated PacTrain's reduced gradients: the same norms (every rank alike) and weights
+    (close: the norm is summed in another order and precision); a bound above every norm
+    changes nothing (bit for bit), and the clipped run differs from it. A bad bound on one
+    rank raises on every rank."""
+    masks = heads_masks("mixed")
+    weights = {}
+    for bound in (1e6, 2.0):
+        replicated = heads(masks)
+        sync = PacTrainSync(replicated, masks=masks)
+        opt = torch.optim.SGD(replicated.parameters(), lr=0.125, momentum=0.5)
+        norms, mine = [], []
+
+        def clipped_step():
+            sync.synchronize()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(replicated.parameters(), bound)))
+            opt.step()
+
+        train(replicated, opt, clipped_step)
+        model = heads(masks)
+        sharded = ShardedOptimizer(model, torch.optim.SGD, masks=masks, max_grad_norm=bound,
+                                   lr=0.125, momentum=0.5)
+
+        def sharded_step():
+            sharded.step()
+            mine.append(sharded.grad_norm)
+
+        train(model, sharded, sharded_step)
+        assert np.allclose(mine, norms, rtol=1e-6), (mine, norms)
+        assert comm.allgather(mine) == [mine] * size
+        exact = bound > max(norms)
+        assert exact or min(norms) > bound, norms  # 2.0 clips every step
+        for a, b in zip(model.parameters(), replicated.parameters()):
+            assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        weights[bound] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert not torch.allclose(weights[2.0], weights[1e6], rtol=1e-3), "clipping changed nothing"
+    expect_raise(RankInputError, lambda: ShardedOptimizer(
+        heads(masks), torch.optim.SGD, masks=masks, lr=0.1,
+        max_grad_norm=0 if rank == size - 1 else 1.0), f"rank {size - 1}:", "max_grad_norm")
+
+
 def test_bad_input_raises_on_every_rank():
     masks = heads_masks("mixed")
     bad = dict(masks)
