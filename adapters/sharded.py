@@ -62,8 +62,8 @@ class ShardedOptimizer:
         A ``torch.optim.Optimizer`` class, built over one flat tensor (``self.shard``), as
         PyTorch's ``ZeroRedundancyOptimizer`` takes it; ``defaults`` are its arguments.
     masks:
-        ``{name: bool tensor}`` keep-masks (as for :class:`PacTrainSync`), fixed for the
-        optimizer's life; ``None``: dense (the shard is 1/N of every weight).
+        ``{name: bool tensor}`` keep-masks (as for :class:`PacTrainSync`), changed only by
+        :meth:`set_masks`; ``None``: dense (the shard is 1/N of every weight).
     comm, collectives, average, verify_every, abort_on_error:
         As for :class:`pacmpi.sharded.ShardedReducer`; ``comm`` defaults to a duplicate of
         ``COMM_WORLD``.
@@ -89,22 +89,52 @@ class ShardedOptimizer:
         self.params, self.names, mask_list, self._mask_names = run_together(
             collectives, _checked_input, model, masks, max_grad_norm)
         self.max_grad_norm, self.grad_norm = max_grad_norm, None
+        self._options = dict(collectives=collectives, average=average, verify_every=verify_every,
+                             abort_on_error=abort_on_error)
+        self._shard_survivors(mask_list)
+        self.optimizer = optimizer_class([self.shard], **defaults)
+        self._slot = {id(p): i for i, p in enumerate(self.params)}
+        self._blocks = None  # the DDP step in progress: [(part, block, payload, work)]
+        self._hooked = False  # the hook stepped since the last step()
+
+    def _shard_survivors(self, mask_list):
+        """A reducer for these masks and ``self.shard``, this rank's shard of the survivors."""
         self._masks = mask_list
         self.reducer = ShardedReducer(
-            [None if m is None else as_array(m) for m in mask_list], collectives=collectives,
-            average=average, verify_every=verify_every,
-            abort_on_error=abort_on_error, shapes=[tuple(p.shape) for p in self.params],
-            dtypes=[numpy_dtype(p.dtype) for p in self.params])
+            [None if m is None else as_array(m) for m in mask_list],
+            shapes=[tuple(p.shape) for p in self.params],
+            dtypes=[numpy_dtype(p.dtype) for p in self.params], **self._options)
+        self._parts = {}  # (DDP bucket index, its parameters' ids) -> ShardPart
         first = self.params[0]
         with torch.no_grad():
             self.shard = torch.nn.Parameter(torch.empty(self.reducer.layout.shard_size,
                                                         dtype=first.dtype, device=first.device))
             self.reducer.param_shard(self._weights(), as_array(self.shard.data))
-        self.optimizer = optimizer_class([self.shard], **defaults)
-        self._slot = {id(p): i for i, p in enumerate(self.params)}
-        self._parts = {}  # (DDP bucket index, its parameters' ids) -> ShardPart
-        self._blocks = None  # the DDP step in progress: [(part, block, payload, work)]
-        self._hooked = False  # the hook stepped since the last step()
+
+    def set_masks(self, masks):
+        """Replace the masks (``{name: bool tensor}``, as at construction); collective. The
+        survivors are sharded anew and each per-coordinate optimizer state entry follows its
+        coordinates: kept ones keep their state, newly kept ones start at 0. Weights are left
+        as they are (zero newly pruned ones yourself, as pruning does). The engine starts
+        over: its step count restarts at 0 (that step verifies the new masks); its counters
+        run on."""
+        _, _, mask_list, mask_names = run_together(
+            self.collectives, _checked_input, self.model, masks, self.max_grad_norm)
+        saved, old = self.state_dict(), self.reducer  # packed by the old masks
+        self._mask_names = mask_names
+        self._shard_survivors(mask_list)
+        for key, value in old.stats.items():
+            self.reducer.stats[key] += value
+        new = self.reducer.layout
+        for key in saved["optimizer"]["sharded"]:
+            packed = saved["optimizer"]["state"][key]
+            dense = [np.zeros(tuple(p.shape), dtype=as_array(packed).dtype) for p in self.params]
+            old.layout.scatter(as_array(packed), dense, 0, old.layout.total)
+            mine = np.empty(new.shard_size, dtype=dense[0].dtype)
+            saved["optimizer"]["state"][key] = torch.from_numpy(
+                new.gather(dense, mine, new.start, new.stop))
+        self.optimizer.param_groups[0]["params"] = [self.shard]
+        self._load_inner(saved["optimizer"], slice(None))
 
     @property
     def collectives(self):
@@ -274,13 +304,16 @@ class ShardedOptimizer:
 
         run_together(self.collectives, check)
         self.reducer.load_state_dict(state["engine"])
-        saved = state["optimizer"]
+        self._load_inner(state["optimizer"], slice(layout.start, layout.stop))
+
+    def _load_inner(self, saved, mine):
+        """Load ``saved`` (:meth:`state_dict`'s ``"optimizer"``) into the inner optimizer,
+        taking ``mine`` of each per-coordinate entry."""
         # Copies: torch's load_state_dict keeps some tensors (Adam's step) as given and steps
         # them in place, which would change the caller's checkpoint.
-        mine = {key: (value[layout.start:layout.stop] if key in saved["sharded"] else value)
-                .clone() if torch.is_tensor(value) else value
-                for key, value in saved["state"].items()}
-        self.optimizer.load_state_dict({"state": {0: mine} if mine else {},
+        state = {key: (value[mine] if key in saved["sharded"] else value).clone()
+                 if torch.is_tensor(value) else value for key, value in saved["state"].items()}
+        self.optimizer.load_state_dict({"state": {0: state} if state else {},
                                         "param_groups": saved["param_groups"]})
 
 

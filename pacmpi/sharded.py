@@ -247,7 +247,8 @@ class ShardedReducer:
             raise ValueError(
                 f"the agreed masks changed at step {self.engine.step} (they keep {keep} "
                 f"coordinates; this reducer shards the {self.layout.total} its masks kept at "
-                "construction): masks are fixed for a sharded reducer's life")
+                "construction): masks are fixed for a sharded reducer's life (ShardedOptimizer."
+                "set_masks shards anew)")
         self.layout.indices = packed  # identical: from now on an identity test
 
     def reduce_scatter(self, grads, params=None, out=None):

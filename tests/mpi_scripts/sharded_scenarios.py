@@ -319,6 +319,51 @@ def test_clipping_matches_clip_grad_norm():
         max_grad_norm=0 if rank == size - 1 else 1.0), f"rank {size - 1}:", "max_grad_norm")
 
 
+def test_set_masks_reshards_the_survivors():
+    """set_masks between steps: the new survivors are sharded anew (balanced, every survivor
+    once), kept coordinates keep their Adam/momentum state and newly kept ones start at 0, so
+    the run equals replicated PacTrain (PacTrainSync.set_masks, newly pruned weights zeroed)
+    bit for bit; ranks identical; the counters run on."""
+    before = heads_masks("mixed")
+    g = torch.Generator().manual_seed(5)
+    after = {n: m ^ (torch.rand(m.shape, generator=g) < 0.3) for n, m in before.items()}
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        replicated, model = heads(before), heads(before)
+        sync = PacTrainSync(replicated, masks=before)
+        opt = cls(replicated.parameters(), **kwargs)
+        sync.attach(opt)
+        sharded = ShardedOptimizer(model, cls, masks=before, **kwargs)
+        train(replicated, opt, opt.step)
+        train(model, sharded, sharded.step)
+        old_total = sharded.reducer.layout.total
+        sync.set_masks(after)
+        sharded.set_masks(after)
+        with torch.no_grad():
+            for m in (replicated, model):
+                for pname, keep in after.items():
+                    m.get_parameter(pname).mul_(keep)  # pruning zeroes what it prunes
+
+        def masked_step():
+            opt.step()
+            with torch.no_grad():  # replicated Adam moves newly pruned weights: keep them 0
+                for pname, keep in after.items():
+                    replicated.get_parameter(pname).mul_(keep)
+
+        train(replicated, opt, masked_step)
+        train(model, sharded, sharded.step)
+        for (pname, a), b in zip(model.named_parameters(), replicated.parameters()):
+            assert torch.equal(a, b), (name, pname)
+        same_on_every_rank([as_array(p.detach()) for p in model.parameters()])
+        layout = sharded.reducer.layout
+        unmasked = sum(p.numel() for n, p in model.named_parameters() if n not in after)
+        assert layout.total == sum(int(m.sum()) for m in after.values()) + unmasked != old_total
+        assert layout.counts == balanced_counts(layout.total, size)
+        state = sharded.optimizer.state[sharded.shard]
+        assert all(v.numel() == layout.shard_size for v in state.values() if v.dim() == 1)
+        assert sharded.reducer.stats["steps"] == 2 * STEPS, sharded.reducer.stats
+        assert all(torch.equal(sharded.masks[n], after[n]) for n in after)
+
+
 def test_bad_input_raises_on_every_rank():
     masks = heads_masks("mixed")
     bad = dict(masks)
