@@ -4,7 +4,7 @@ tests in this order under torchrun (gloo; tests/test_sharded.py), each reported 
 1. A DDP model hooked with a ShardedOptimizer equals replicated PacTrain (PacTrainHookState +
    pactrain_hook, the same optimizer over the whole model) bit for bit on integer-valued data
    (SGD with momentum, Adam), with DDP's rebuilt buckets, gradient_as_bucket_view and one
-   bucket; pruned weights stay exactly 0; ranks end
+   bucket, and float32 + bfloat16 parameters; pruned weights stay exactly 0; ranks end
    bit-identical; ``optimizer.step()`` after a hooked backward does nothing; the optimizer
    state per rank is its shard of the survivors; the bytes sent are the survivors'.
 2. Bad input raises on every rank together: a mask of the wrong shape on one rank (at
@@ -38,10 +38,12 @@ class Net(nn.Module):
     every sum over ranks is exact at any world size and step (a deeper net's gradients would
     round, and the two reductions add in different orders on 4 ranks)."""
 
-    def __init__(self):
+    def __init__(self, bf16=False):
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b, self.c = nn.Linear(12, 10), nn.Linear(12, 10), nn.Linear(12, 10)
+        if bf16:  # a model of two dtypes: DDP gives c's gradients a bucket of their own
+            self.c.to(torch.bfloat16)
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randint(-3, 4, p.shape))
@@ -49,7 +51,7 @@ class Net(nn.Module):
                 self.get_parameter(name).mul_(keep)
 
     def forward(self, x):
-        return self.a(x) + self.b(x.flip(1)) + self.c(x * x)
+        return self.a(x) + self.b(x.flip(1)) + self.c((x * x).to(self.c.weight.dtype)).float()
 
 
 def masks_of(model, density=0.5):
@@ -64,9 +66,9 @@ def batch(step):
             torch.randint(-2, 3, (8, 10), generator=gen).float())
 
 
-def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, **options):
+def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, bf16=False, **options):
     """``steps`` of DDP training; returns the model and the optimizer (sharded or plain)."""
-    model = Net()
+    model = Net(bf16)
     masks = masks_of(model)
     if sharded:
         optimizer = ShardedOptimizer(model, optimizer_class, masks=masks,
@@ -90,7 +92,7 @@ def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, **options):
 
 
 def digest(model):
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+    return hashlib.sha256(b"".join(p.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
                                    for p in model.parameters())).hexdigest()
 
 
@@ -124,6 +126,11 @@ def test_matches_replicated_pactrain():
     model, _ = run(True, torch.optim.Adam, lr=0.01)  # elementwise on the same gradients
     reference, _ = run(False, torch.optim.Adam, lr=0.01)
     assert_same_weights(model, reference)
+    # float32 + bfloat16 (small integers: exact bfloat16 sums): a shard per dtype.
+    model, optimizer = run(True, torch.optim.Adam, bf16=True, lr=0.01)
+    reference, _ = run(False, torch.optim.Adam, bf16=True, lr=0.01)
+    assert_same_weights(model, reference)
+    assert sorted(str(s.dtype) for s in optimizer.shards) == ["torch.bfloat16", "torch.float32"]
 
 
 def test_bad_input_raises_on_every_rank():

@@ -214,9 +214,20 @@ def heads_masks(kind):
     return masks
 
 
-def heads(masks):
+class MixedHeads(Heads):
+    """Heads whose second head is bfloat16: a model of two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.b.to(torch.bfloat16)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x.bfloat16()).float()], dim=1)
+
+
+def heads(masks, kind=Heads):
     torch.manual_seed(0)
-    model = Heads()
+    model = kind()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randint(-3, 4, p.shape).float() / 8)
@@ -317,6 +328,52 @@ def test_clipping_matches_clip_grad_norm():
     expect_raise(RankInputError, lambda: ShardedOptimizer(
         heads(masks), torch.optim.SGD, masks=masks, lr=0.1,
         max_grad_norm=0 if rank == size - 1 else 1.0), f"rank {size - 1}:", "max_grad_norm")
+
+
+def test_two_dtypes_shard_on_their_own():
+    """float32 and bfloat16 parameters: a reducer and a shard per dtype, one inner optimizer
+    over both; equals PacTrainSync + the same optimizer bit for bit (small integers: every
+    bfloat16 sum is exact), ranks identical, each dtype's state its shard; a checkpoint
+    resumes bit for bit; clipping takes both dtypes' norms."""
+    masks = heads_masks("mixed")
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        replicated = heads(masks, MixedHeads)
+        sync = PacTrainSync(replicated, masks=masks)
+        opt = cls(replicated.parameters(), **kwargs)
+        sync.attach(opt)
+        train(replicated, opt, opt.step)
+        train(replicated, opt, opt.step)
+        sync.remove()
+        model = heads(masks, MixedHeads)
+        sharded = ShardedOptimizer(model, cls, masks=masks, **kwargs)
+        train(model, sharded, sharded.step)
+        resumed = ShardedOptimizer(model, cls, masks=masks, **kwargs)
+        resumed.load_state_dict(roundtrip(sharded.state_dict()))
+        train(model, resumed, resumed.step)
+        for (pname, a), b in zip(model.named_parameters(), replicated.parameters()):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, pname)
+        same_on_every_rank([as_array(p.detach().float()) for p in model.parameters()])
+        assert [s.dtype for s in resumed.shards] == [torch.bfloat16, torch.float32]
+        for group, shard in zip(resumed.groups, resumed.shards):
+            state = resumed.optimizer.state[shard]
+            assert all(v.numel() == group.reducer.layout.shard_size
+                       for v in state.values() if v.dim() == 1)
+        expect_raise(AttributeError, lambda: resumed.shard, "2 dtypes", ".groups")
+    clipped = ShardedOptimizer(heads(masks, MixedHeads), torch.optim.SGD, masks=masks, lr=0.1,
+                               max_grad_norm=1.0)
+    train(clipped.model, clipped, clipped.step)
+    replicated = heads(masks, MixedHeads)
+    sync = PacTrainSync(replicated, masks=masks)
+    opt = torch.optim.SGD(replicated.parameters(), lr=0.1)
+    norms = []
+
+    def clipped_step():
+        sync.synchronize()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(replicated.parameters(), 1.0)))
+        opt.step()
+
+    train(replicated, opt, clipped_step)
+    assert np.isclose(clipped.grad_norm, norms[-1], rtol=1e-2), (clipped.grad_norm, norms)
 
 
 def test_set_masks_reshards_the_survivors():
@@ -441,8 +498,9 @@ def test_checkpoint_resumes_and_reshards():
     opt = ShardedOptimizer(model, torch.optim.Adam, **kwargs)
     train_split(model, opt, range(2), size, rank)
     saved, weights = roundtrip(opt.state_dict()), roundtrip(model.state_dict())
-    assert saved["optimizer"]["sharded"] == ["exp_avg", "exp_avg_sq"]
-    assert saved["optimizer"]["state"]["exp_avg"].numel() == opt.reducer.layout.total
+    (packed,) = saved["groups"]  # one dtype
+    assert packed["sharded"] == ["exp_avg", "exp_avg_sq"]
+    assert packed["state"]["exp_avg"].numel() == opt.reducer.layout.total
     resumed = heads({})
     resumed.load_state_dict(weights)
     again = ShardedOptimizer(resumed, torch.optim.Adam, **kwargs)
@@ -462,7 +520,7 @@ def test_checkpoint_resumes_and_reshards():
         small_opt.load_state_dict(saved)
         resaved = small_opt.state_dict()  # re-sharding is lossless
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(resaved["optimizer"]["state"][key], saved["optimizer"]["state"][key])
+            assert torch.equal(resaved["groups"][0]["state"][key], packed["state"][key])
         train_split(small, small_opt, range(2, 4), half, rank)
         for a, b in zip(small.parameters(), straight.parameters()):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
