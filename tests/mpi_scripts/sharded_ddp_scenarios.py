@@ -4,9 +4,10 @@ tests in this order under torchrun (gloo; tests/test_sharded.py), each reported 
 1. A DDP model hooked with a ShardedOptimizer equals replicated PacTrain (PacTrainHookState +
    pactrain_hook, the same optimizer over the whole model) bit for bit on integer-valued data
    (SGD with momentum, Adam), with DDP's rebuilt buckets, gradient_as_bucket_view and one
-   bucket, and float32 + bfloat16 parameters; pruned weights stay exactly 0; ranks end
-   bit-identical; ``optimizer.step()`` after a hooked backward does nothing; the optimizer
-   state per rank is its shard of the survivors; the bytes sent are the survivors'.
+   bucket, float32 + bfloat16 parameters, and masks changed midway (set_masks); pruned
+   weights stay exactly 0; ranks end bit-identical; ``optimizer.step()`` after a hooked
+   backward does nothing; the optimizer state per rank is its shard of the survivors; the
+   bytes sent are the survivors'.
 2. Bad input raises on every rank together: a mask of the wrong shape on one rank (at
    construction), an optimizer over part of the DDP model (from backward), a mask moved on
    one rank between steps (MaskMismatchError from backward); the process group stays usable.
@@ -66,8 +67,17 @@ def batch(step):
             torch.randint(-2, 3, (8, 10), generator=gen).float())
 
 
-def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, bf16=False, **options):
-    """``steps`` of DDP training; returns the model and the optimizer (sharded or plain)."""
+def repruned(masks):
+    gen = torch.Generator().manual_seed(5)
+    return {name: keep ^ (torch.rand(keep.shape, generator=gen) < 0.3)
+            for name, keep in masks.items()}
+
+
+def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, bf16=False, reprune_at=None,
+        **options):
+    """``steps`` of DDP training; returns the model and the optimizer (sharded or plain).
+    ``reprune_at``: before that step the masks change to :func:`repruned`'s, newly pruned
+    weights are zeroed (and kept at 0 in the replicated run, whose Adam would move them)."""
     model = Net(bf16)
     masks = masks_of(model)
     if sharded:
@@ -80,6 +90,14 @@ def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, bf16=False, **optio
         ddp.register_comm_hook(PacTrainHookState(ddp, masks), pactrain_hook)
         optimizer = optimizer_class(model.parameters(), **options)
     for step in range(steps):
+        if step == reprune_at:
+            after = repruned(masks)
+            if sharded:
+                optimizer.set_masks(after)
+            else:  # the hook state re-reads its masks at every verification
+                for name, keep in masks.items():
+                    keep.copy_(after[name])
+            prune(model, after)
         optimizer.zero_grad()
         x, t = batch(step)
         (ddp(x) * t).sum().backward()
@@ -88,7 +106,15 @@ def run(sharded, optimizer_class, steps=STEPS, ddp_kw=SMALL, bf16=False, **optio
         optimizer.step()
         if sharded:  # the hook stepped in backward
             assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+        if not sharded and reprune_at is not None and step >= reprune_at:
+            prune(model, after)
     return model, optimizer
+
+
+def prune(model, masks):
+    with torch.no_grad():
+        for name, keep in masks.items():
+            model.get_parameter(name).mul_(keep)
 
 
 def digest(model):
@@ -96,10 +122,10 @@ def digest(model):
                                    for p in model.parameters())).hexdigest()
 
 
-def assert_same_weights(model, reference):
+def assert_same_weights(model, reference, masks=None):
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), f"{name} differs from replicated PacTrain's"
-    for name, keep in masks_of(model).items():
+    for name, keep in (masks or masks_of(model)).items():
         assert not model.get_parameter(name)[~keep].any(), f"a pruned weight of {name} moved"
     digests = [None] * SIZE
     dist.all_gather_object(digests, digest(model))
@@ -131,6 +157,12 @@ def test_matches_replicated_pactrain():
     reference, _ = run(False, torch.optim.Adam, bf16=True, lr=0.01)
     assert_same_weights(model, reference)
     assert sorted(str(s.dtype) for s in optimizer.shards) == ["torch.bfloat16", "torch.float32"]
+    # Masks changed between steps: the survivors are sharded anew, the hook goes on.
+    model, optimizer = run(True, torch.optim.Adam, reprune_at=2, lr=0.01)
+    reference, _ = run(False, torch.optim.Adam, reprune_at=2, lr=0.01)
+    assert_same_weights(model, reference, repruned(masks_of(Net())))
+    assert optimizer.reducer.layout.total == sum(
+        int(keep.sum()) for keep in repruned(masks_of(Net())).values()) + 3 * 10
 
 
 def test_bad_input_raises_on_every_rank():
