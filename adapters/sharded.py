@@ -1,12 +1,13 @@
-"""ZeRO-1 style sharded optimizer for raw PyTorch loops: PacTrain's packed reduce-scatter, the
-optimizer over this rank's shard of the survivors only, an all-gather of the updated weights.
+"""ZeRO-1 style sharded optimizer for raw PyTorch loops and DDP: PacTrain's packed
+reduce-scatter, the optimizer over this rank's shard of the survivors only, an all-gather of the
+updated weights.
 
-Any ``torch.optim`` optimizer runs over one flat tensor holding this rank's contiguous shard of
-the model's surviving (unpruned) weights (:class:`pacmpi.sharded.ShardedReducer` defines the
-shard), so its state (Adam's two moments) takes ``1/N x density`` of what a replicated optimizer
-keeps. The full weights stay replicated; pruned weights are never written (pruned models keep
-them at exactly 0). Lossless: the result is replicated PacTrain's, bit for bit wherever the sums
-are exact.
+Any ``torch.optim`` optimizer runs over flat tensors (one per dtype) holding this rank's
+contiguous shard of the model's surviving (unpruned) weights
+(:class:`pacmpi.sharded.ShardedReducer` defines the shard), so its state (Adam's two moments)
+takes ``1/N x density`` of what a replicated optimizer keeps. The full weights stay replicated;
+pruned weights are never written (pruned models keep them at exactly 0). Lossless: the result is
+replicated PacTrain's, bit for bit wherever the sums are exact.
 
 Example::
 
