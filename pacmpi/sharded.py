@@ -36,10 +36,11 @@ import time
 import numpy as np
 
 from .arrays import array_module
+from .collectives import block_bounds
 from .reducer import PacTrainReducer
 from .verify import run_together
 
-__all__ = ["ShardedReducer", "ShardLayout", "balanced_counts"]
+__all__ = ["ShardedReducer", "ShardLayout", "ShardPart", "balanced_counts"]
 
 # One fusion bucket for everything: its packed payload *is* the survivors of all the arrays
 # concatenated, so the engine encodes the whole shardable vector in one call.
@@ -101,6 +102,56 @@ class ShardLayout:
         pruned coordinates are left as they are."""
         for index, selection, part in self._pieces(lo, hi):
             arrays[index].reshape(-1)[selection] = packed[part]
+
+    def part(self, arrays):
+        """The :class:`ShardPart` of the arrays numbered ``arrays`` (e.g. a DDP bucket's)."""
+        return ShardPart(self, arrays)
+
+
+class ShardPart:
+    """The survivors of some of a layout's arrays (one DDP bucket's), reduce-scattered on
+    their own as soon as those gradients are ready.
+
+    The payload holds the arrays' packed runs in packed order, so its r-th block of
+    ``counts[r]`` values is the part of them rank r's shard holds, and every rank derives the
+    same ``counts`` from the agreed masks. :meth:`place` writes this rank's block into its
+    shard; the parts of a layout's every array fill the whole shard."""
+
+    def __init__(self, layout, arrays):
+        wanted = {int(i) for i in arrays}
+        members = sorted((run for run in layout._members if run[0].index in wanted),
+                         key=lambda run: run[1])
+        missing = wanted - {run[0].index for run in members}
+        if missing:
+            raise ValueError(f"arrays {sorted(missing)} are not in the layout (it has "
+                             f"{len(layout._members)})")
+        self._runs = [(m.index, lo, hi, positions) for m, lo, hi, positions in members]
+        self.size = sum(hi - lo for _, lo, hi, _ in self._runs)
+        self.counts = [sum(max(0, min(hi, b) - max(lo, a)) for _, lo, hi, _ in self._runs)
+                       for a, b in block_bounds(layout.counts)]
+        # This rank's block, run by run, as slices of its shard.
+        self._places = [slice(max(lo, layout.start) - layout.start,
+                              min(hi, layout.stop) - layout.start)
+                        for _, lo, hi, _ in self._runs if min(hi, layout.stop) > max(lo,
+                                                                                   layout.start)]
+
+    def gather(self, arrays, out):
+        """``out`` (``size`` values) = the survivors of ``arrays[i]`` for the part's arrays
+        ``i``, in packed order; ``arrays`` is indexed by array number (a list or a dict)."""
+        at = 0
+        for index, lo, hi, positions in self._runs:
+            flat = arrays[index].reshape(-1)
+            out[at:at + hi - lo] = flat if positions is None else flat[positions]
+            at += hi - lo
+        return out
+
+    def place(self, block, shard):
+        """Write this rank's ``block`` of the reduced payload into its ``shard``."""
+        at = 0
+        for place in self._places:
+            n = place.stop - place.start
+            shard[place] = block[at:at + n]
+            at += n
 
 
 class ShardedReducer:
@@ -196,7 +247,8 @@ class ShardedReducer:
             raise ValueError(
                 f"the agreed masks changed at step {self.engine.step} (they keep {keep} "
                 f"coordinates; this reducer shards the {self.layout.total} its masks kept at "
-                "construction): masks are fixed for a sharded reducer's life")
+                "construction): masks are fixed for a sharded reducer's life (ShardedOptimizer."
+                "set_masks shards anew)")
         self.layout.indices = packed  # identical: from now on an identity test
 
     def reduce_scatter(self, grads, params=None, out=None):
@@ -215,26 +267,38 @@ class ShardedReducer:
         except (TypeError, ValueError) as exc:
             error = exc
         try:
-            self.engine.begin_step(reducer._flat_masks, error)
-            self._check_layout()
+            self.begin_step(error)
             flat = reducer._flat(0, grads)
             wire, _ = self.engine.encode(0, flat)
-            xp = array_module(flat)
             if out is None:
-                out = self._buffer(xp, "shard", self.layout.shard_size, wire.dtype)
+                out = self._buffer(array_module(flat), "shard", self.layout.shard_size,
+                                   wire.dtype)
             if wire.size:
                 started = time.perf_counter()
                 self.collectives.reduce_scatter(wire, out, self.layout.counts, "sum",
                                                 name="pacmpi.reduce_scatter")
                 self.stats["comm_seconds"] += time.perf_counter() - started
-            size = self.collectives.size
-            if self.engine.average and size > 1:
-                # As kernels.scatter divides on the replicated path: same dtype, same bits.
-                xp.divide(out, out.dtype.type(size), out=out)
-            self.engine.end_step()
+            self.end_step(out)
         finally:
             reducer._reset_step()
         return out
+
+    def begin_step(self, error=None):
+        """Begin a step for a front end that reduce-scatters :class:`ShardPart` payloads
+        itself (as the DDP hook does, bucket by bucket): verify the masks when due
+        (collective; ``error``, this rank's bad input, raises on every rank together) and check
+        they are still the layout's. Then reduce-scatter every part's payload with SUM,
+        :meth:`ShardPart.place` each block into the shard, and :meth:`end_step`."""
+        self.engine.begin_step(self._reducer._flat_masks, error)
+        self._check_layout()
+
+    def end_step(self, shard):
+        """Average the reduce-scattered ``shard`` (when configured) and count the step."""
+        size = self.collectives.size
+        if self.engine.average and size > 1:
+            # As kernels.scatter divides on the replicated path: same dtype, same bits.
+            array_module(shard).divide(shard, shard.dtype.type(size), out=shard)
+        self.engine.end_step()
 
     def allgather(self, shard, params):
         """Write every rank's updated ``shard`` (this rank's survivors of ``params``) into

@@ -1,7 +1,8 @@
 """Sharded PacTrain (pacmpi.sharded and pacmpi.adapters.sharded) across 2 and 4 real MPI ranks:
 each scenario of mpi_scripts/sharded_scenarios.py (mpi4py, the all-reduce fallback and
-torch.distributed transports) and of mpi_scripts/hvd_sharded_scenarios.py (Horovod's) reported
-on its own, one bounded launch per module and rank count."""
+torch.distributed transports), of mpi_scripts/sharded_ddp_scenarios.py (the DDP hook, under
+torchrun) and of mpi_scripts/hvd_sharded_scenarios.py (Horovod's) reported on its own, one
+bounded launch per module and rank count."""
 import importlib.util
 
 import numpy as np
@@ -18,6 +19,7 @@ from mpi_util import run_scenarios, scenario_cases
 
 MODULE = "sharded_scenarios.py"
 HOROVOD = "hvd_sharded_scenarios.py"
+DDP = "sharded_ddp_scenarios.py"
 RANKS = {(2,): None, (4,): None}
 
 
@@ -42,6 +44,31 @@ def test_shard_layout_gathers_and_scatters_survivors_in_order():
             expected = np.zeros(bucket.size, dtype=np.float32)
             expected[np.flatnonzero(mask)[layout.start:layout.stop]] = out
             assert np.array_equal(flat, expected)
+
+
+def test_shard_parts_fill_each_rank_shard():
+    """A DDP bucket's ShardPart: rank r's block of its payload (split by its counts) placed
+    into rank r's shard, over a partition of the arrays in any order, rebuilds exactly that
+    rank's shard of the survivors; an array the layout lacks is refused."""
+    shapes = [(3, 4), (5,), (2, 2), (7,)]
+    bucket = BucketLayout(shapes, [np.float32] * 4, 1 << 30).buckets[0]
+    mask = np.random.default_rng(2).random(bucket.size) < 0.6
+    arrays = [np.arange(int(np.prod(s)), dtype=np.float32).reshape(s) + 100 * i
+              for i, s in enumerate(shapes)]
+    for size in (1, 2, 3, 4, 9):
+        for partition in ([[3, 1], [0], [2]], [[2, 0, 1, 3]], [[0], [1], [2], [3]]):
+            for rank in range(size):
+                layout = ShardLayout(bucket, np.flatnonzero(mask), size, rank)
+                shard = np.full(layout.shard_size, np.nan, dtype=np.float32)
+                for members in partition:
+                    part = layout.part(members)
+                    payload = part.gather(arrays, np.empty(part.size, dtype=np.float32))
+                    start = sum(part.counts[:rank])
+                    part.place(payload[start:start + part.counts[rank]], shard)
+                want = layout.gather(arrays, np.empty_like(shard), layout.start, layout.stop)
+                assert np.array_equal(shard, want), (size, partition, rank)
+    with pytest.raises(ValueError, match=r"arrays \[4\] are not in the layout"):
+        layout.part([0, 4])
 
 
 def test_single_rank_equals_plain_adam_on_masked_gradients():
@@ -81,6 +108,11 @@ def test_single_rank_equals_plain_adam_on_masked_gradients():
 @pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, RANKS))
 def test_sharded_scenario(ranks, scenario):
     run_scenarios(MODULE, ranks, timeout=240).check(scenario)
+
+
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(DDP, RANKS))
+def test_sharded_ddp_scenario(ranks, scenario):
+    run_scenarios(DDP, ranks, "torchrun", timeout=240).check(scenario)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="needs Horovod")

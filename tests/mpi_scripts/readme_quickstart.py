@@ -1,7 +1,7 @@
 """Runs one of the README's front-end snippets verbatim on every rank, then checks what it did.
 
-Usage: readme_quickstart.py raw-loop|horovod SNIPPET_FILE (under mpirun). Every rank trains on
-data of its own, so only a working all-reduce keeps the weights identical. Prints
+Usage: readme_quickstart.py raw-loop|horovod|sharded SNIPPET_FILE (under mpirun). Every rank
+trains on data of its own, so only a working all-reduce keeps the weights identical. Prints
 "OK readme <front end> rank <r>" on every rank that passed.
 
 - raw-loop: the snippet gets ``comm``, ``model``, ``batches`` and ``loss_fn`` and trains; then
@@ -9,6 +9,9 @@ data of its own, so only a working all-reduce keeps the weights identical. Print
 - horovod: the snippet gets ``model``, ``masks`` and ``optimizer`` (the same magnitude masks
   on every rank) and wraps the optimizer; 3 steps with it leave the ranks' weights identical,
   the pruned weights as they were (their gradients come back 0) and some tensors packed.
+- sharded: the snippet gets ``model``, ``masks`` and ``torch`` and builds the optimizer; 3 steps
+  with it leave the ranks' weights identical, the pruned weights as they were, and Adam's
+  state on each rank as large as its shard, about 1/N of the survivors.
 """
 import sys
 from pathlib import Path
@@ -47,30 +50,46 @@ if front_end == "raw-loop":
     assert all(bool((p[~m] == 0).all()) for p, m in zip(enforcer.parameters.values(),
                                                           enforcer.masks.values()))
     assert sync.stats["packed_reductions"] > 0, sync.stats
-elif front_end == "horovod":
-    import horovod.torch as hvd
-
+elif front_end in ("horovod", "sharded"):
     torch.manual_seed(0)  # the same weights, hence the same magnitude masks, on every rank
     model = build_model("digits_cnn", width=8, hidden=32)
     masks = prune(model, 0.8)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    names = dict(model=model, masks=masks, optimizer=optimizer)
-    exec(snippet, names)
-    optimizer, compression, rank = names["optimizer"], names["compression"], hvd.rank()
-    for x, y in batches_of(rank, hvd.size(), 3):
+    if front_end == "horovod":
+        import horovod.torch as hvd
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        names = dict(model=model, masks=masks, optimizer=optimizer)
+        exec(snippet, names)
+        rank, size, allgather = hvd.rank(), hvd.size(), hvd.allgather_object
+    else:
+        from mpi4py import MPI
+
+        names = dict(model=model, masks=masks, torch=torch)
+        exec(snippet, names)
+        rank, size, allgather = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, \
+            MPI.COMM_WORLD.allgather
+    optimizer = names["optimizer"]
+    for x, y in batches_of(rank, size, 3):
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()
-    everyone = hvd.allgather_object(flat_weights(model))
+    everyone = allgather(flat_weights(model))
     for name, p in model.named_parameters():
         assert not torch.equal(p, before[name]), (name, "never updated")
         if name in masks:
             pruned = ~masks[name].bool()
             assert torch.equal(p.detach()[pruned], before[name][pruned]), (name, "pruned moved")
-    assert compression.stats["packed_reductions"] > 0, compression.stats
+    if front_end == "horovod":
+        assert names["compression"].stats["packed_reductions"] > 0, names["compression"].stats
+    else:
+        survivors = sum(int(m.sum()) for m in masks.values()) + sum(
+            p.numel() for name, p in model.named_parameters() if name not in masks)
+        moments = optimizer.optimizer.state[optimizer.shard]["exp_avg"]
+        assert moments.numel() == optimizer.shard.numel() <= -(-survivors // size), (
+            moments.numel(), survivors)
 else:
-    raise SystemExit(f"unknown front end {front_end!r}: raw-loop or horovod")
+    raise SystemExit(f"unknown front end {front_end!r}: raw-loop, horovod or sharded")
 
 assert all((w == everyone[0]).all() for w in everyone), "ranks diverged"
 print(f"OK readme {front_end} rank {rank}", flush=True)

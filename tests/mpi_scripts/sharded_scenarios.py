@@ -214,9 +214,20 @@ def heads_masks(kind):
     return masks
 
 
-def heads(masks):
+class MixedHeads(Heads):
+    """Heads whose second head is bfloat16: a model of two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.b.to(torch.bfloat16)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x.bfloat16()).float()], dim=1)
+
+
+def heads(masks, kind=Heads):
     torch.manual_seed(0)
-    model = Heads()
+    model = kind()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randint(-3, 4, p.shape).float() / 8)
@@ -275,6 +286,139 @@ def test_sharded_optimizer_equals_pactrain_sync():
             assert full_state == len(moments) * sum(p.numel() for p in replicated.parameters())
             assert sum(comm.allgather(sum(v.numel() for v in moments))) == \
                 len(moments) * layout.total
+
+
+def test_clipping_matches_clip_grad_norm():
+    """max_grad_norm clips the averaged gradient to its global norm as clip_grad_norm_ does on
+    replicated PacTrain's reduced gradients: the same norms (every rank alike) and weights
+    (close: the norm is summed in another order and precision); a bound above every norm
+    changes nothing (bit for bit), and the clipped run differs from it. A bad bound on one
+    rank raises on every rank."""
+    masks = heads_masks("mixed")
+    weights = {}
+    for bound in (1e6, 2.0):
+        replicated = heads(masks)
+        sync = PacTrainSync(replicated, masks=masks)
+        opt = torch.optim.SGD(replicated.parameters(), lr=0.125, momentum=0.5)
+        norms, mine = [], []
+
+        def clipped_step():
+            sync.synchronize()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(replicated.parameters(), bound)))
+            opt.step()
+
+        train(replicated, opt, clipped_step)
+        model = heads(masks)
+        sharded = ShardedOptimizer(model, torch.optim.SGD, masks=masks, max_grad_norm=bound,
+                                   lr=0.125, momentum=0.5)
+
+        def sharded_step():
+            sharded.step()
+            mine.append(sharded.grad_norm)
+
+        train(model, sharded, sharded_step)
+        assert np.allclose(mine, norms, rtol=1e-6), (mine, norms)
+        assert comm.allgather(mine) == [mine] * size
+        exact = bound > max(norms)
+        assert exact or min(norms) > bound, norms  # 2.0 clips every step
+        for a, b in zip(model.parameters(), replicated.parameters()):
+            assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        weights[bound] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert not torch.allclose(weights[2.0], weights[1e6], rtol=1e-3), "clipping changed nothing"
+    expect_raise(RankInputError, lambda: ShardedOptimizer(
+        heads(masks), torch.optim.SGD, masks=masks, lr=0.1,
+        max_grad_norm=0 if rank == size - 1 else 1.0), f"rank {size - 1}:", "max_grad_norm")
+
+
+def test_two_dtypes_shard_on_their_own():
+    """float32 and bfloat16 parameters: a reducer and a shard per dtype, one inner optimizer
+    over both; equals PacTrainSync + the same optimizer bit for bit (small integers: every
+    bfloat16 sum is exact), ranks identical, each dtype's state its shard; a checkpoint
+    resumes bit for bit; clipping takes both dtypes' norms."""
+    masks = heads_masks("mixed")
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        replicated = heads(masks, MixedHeads)
+        sync = PacTrainSync(replicated, masks=masks)
+        opt = cls(replicated.parameters(), **kwargs)
+        sync.attach(opt)
+        train(replicated, opt, opt.step)
+        train(replicated, opt, opt.step)
+        sync.remove()
+        model = heads(masks, MixedHeads)
+        sharded = ShardedOptimizer(model, cls, masks=masks, **kwargs)
+        train(model, sharded, sharded.step)
+        resumed = ShardedOptimizer(model, cls, masks=masks, **kwargs)
+        resumed.load_state_dict(roundtrip(sharded.state_dict()))
+        train(model, resumed, resumed.step)
+        for (pname, a), b in zip(model.named_parameters(), replicated.parameters()):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, pname)
+        same_on_every_rank([as_array(p.detach().float()) for p in model.parameters()])
+        assert [s.dtype for s in resumed.shards] == [torch.bfloat16, torch.float32]
+        for group, shard in zip(resumed.groups, resumed.shards):
+            state = resumed.optimizer.state[shard]
+            assert all(v.numel() == group.reducer.layout.shard_size
+                       for v in state.values() if v.dim() == 1)
+        expect_raise(AttributeError, lambda: resumed.shard, "2 dtypes", ".groups")
+    clipped = ShardedOptimizer(heads(masks, MixedHeads), torch.optim.SGD, masks=masks, lr=0.1,
+                               max_grad_norm=1.0)
+    train(clipped.model, clipped, clipped.step)
+    replicated = heads(masks, MixedHeads)
+    sync = PacTrainSync(replicated, masks=masks)
+    opt = torch.optim.SGD(replicated.parameters(), lr=0.1)
+    norms = []
+
+    def clipped_step():
+        sync.synchronize()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(replicated.parameters(), 1.0)))
+        opt.step()
+
+    train(replicated, opt, clipped_step)
+    assert np.isclose(clipped.grad_norm, norms[-1], rtol=1e-2), (clipped.grad_norm, norms)
+
+
+def test_set_masks_reshards_the_survivors():
+    """set_masks between steps: the new survivors are sharded anew (balanced, every survivor
+    once), kept coordinates keep their Adam/momentum state and newly kept ones start at 0, so
+    the run equals replicated PacTrain (PacTrainSync.set_masks, newly pruned weights zeroed)
+    bit for bit; ranks identical; the counters run on."""
+    before = heads_masks("mixed")
+    g = torch.Generator().manual_seed(5)
+    after = {n: m ^ (torch.rand(m.shape, generator=g) < 0.3) for n, m in before.items()}
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        replicated, model = heads(before), heads(before)
+        sync = PacTrainSync(replicated, masks=before)
+        opt = cls(replicated.parameters(), **kwargs)
+        sync.attach(opt)
+        sharded = ShardedOptimizer(model, cls, masks=before, **kwargs)
+        train(replicated, opt, opt.step)
+        train(model, sharded, sharded.step)
+        old_total = sharded.reducer.layout.total
+        sync.set_masks(after)
+        sharded.set_masks(after)
+        with torch.no_grad():
+            for m in (replicated, model):
+                for pname, keep in after.items():
+                    m.get_parameter(pname).mul_(keep)  # pruning zeroes what it prunes
+
+        def masked_step():
+            opt.step()
+            with torch.no_grad():  # replicated Adam moves newly pruned weights: keep them 0
+                for pname, keep in after.items():
+                    replicated.get_parameter(pname).mul_(keep)
+
+        train(replicated, opt, masked_step)
+        train(model, sharded, sharded.step)
+        for (pname, a), b in zip(model.named_parameters(), replicated.parameters()):
+            assert torch.equal(a, b), (name, pname)
+        same_on_every_rank([as_array(p.detach()) for p in model.parameters()])
+        layout = sharded.reducer.layout
+        unmasked = sum(p.numel() for n, p in model.named_parameters() if n not in after)
+        assert layout.total == sum(int(m.sum()) for m in after.values()) + unmasked != old_total
+        assert layout.counts == balanced_counts(layout.total, size)
+        state = sharded.optimizer.state[sharded.shard]
+        assert all(v.numel() == layout.shard_size for v in state.values() if v.dim() == 1)
+        assert sharded.reducer.stats["steps"] == 2 * STEPS, sharded.reducer.stats
+        assert all(torch.equal(sharded.masks[n], after[n]) for n in after)
 
 
 def test_bad_input_raises_on_every_rank():
@@ -354,8 +498,9 @@ def test_checkpoint_resumes_and_reshards():
     opt = ShardedOptimizer(model, torch.optim.Adam, **kwargs)
     train_split(model, opt, range(2), size, rank)
     saved, weights = roundtrip(opt.state_dict()), roundtrip(model.state_dict())
-    assert saved["optimizer"]["sharded"] == ["exp_avg", "exp_avg_sq"]
-    assert saved["optimizer"]["state"]["exp_avg"].numel() == opt.reducer.layout.total
+    (packed,) = saved["groups"]  # one dtype
+    assert packed["sharded"] == ["exp_avg", "exp_avg_sq"]
+    assert packed["state"]["exp_avg"].numel() == opt.reducer.layout.total
     resumed = heads({})
     resumed.load_state_dict(weights)
     again = ShardedOptimizer(resumed, torch.optim.Adam, **kwargs)
@@ -375,7 +520,7 @@ def test_checkpoint_resumes_and_reshards():
         small_opt.load_state_dict(saved)
         resaved = small_opt.state_dict()  # re-sharding is lossless
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(resaved["optimizer"]["state"][key], saved["optimizer"]["state"][key])
+            assert torch.equal(resaved["groups"][0]["state"][key], packed["state"][key])
         train_split(small, small_opt, range(2, 4), half, rank)
         for a, b in zip(small.parameters(), straight.parameters()):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
