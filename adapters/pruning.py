@@ -5,7 +5,8 @@ PacTrain prunes a (pretrained) model once to a fixed sparsity mask, then enforce
 only the surviving gradient coordinates need to be all-reduced, packed densely.
 This module provides the pieces that make that possible:
 
-* :func:`prune` -- magnitude or GraSP pruning, global or per-layer, returning bool masks
+* :func:`prune` -- magnitude, GraSP or first-order Taylor pruning, global or per-layer,
+  returning bool masks
   keyed by parameter name (``True`` = kept). With ``comm=`` the decision is taken on
   rank 0 and broadcast, so every rank ends with bit-identical masks (``collectives=``: the
   same over any :class:`pacmpi.Collectives`, e.g. Horovod's).
@@ -28,6 +29,7 @@ every rank and every run.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import math
@@ -45,7 +47,8 @@ from torch import nn
 __all__ = ["PRUNING_CRITERIA", "DensityReport", "GradualPruningSchedule", "MaskEnforcer",
            "masks_digest", "masks_from_torch_prune", "named_prunable_parameters", "prune"]
 
-PRUNING_CRITERIA = ("magnitude", "grasp")  # prune(method=...): what decides which weights go
+# prune(method=...): what decides which weights go; "grasp" and "taylor" need data.
+PRUNING_CRITERIA = ("magnitude", "grasp", "taylor")
 SCOPES = ("global", "layer")
 
 #: Name selector: a glob (``fnmatch``), several globs, or ``callable(name, param) -> bool``.
@@ -226,20 +229,44 @@ def _grasp_priorities(
     are left untouched.
     """
     params = [slot.param for slot in slots.values()]
-    device = params[0].device
-    batches = [(x.to(device), y.to(device)) for x, y in islice(iter(data), n_batches)]
-    if not batches:
-        raise ValueError("method='grasp' got an empty data iterable")
-    was_training = model.training
-    model.eval()
-    try:
+    with _scoring(model, params, data, n_batches, "grasp") as batches:
         g = _mean_gradient(model, params, batches, loss_fn, temperature)
         hg = _hessian_gradient_product(model, params, batches, loss_fn, temperature, g)
-    finally:
-        model.train(was_training)
     return OrderedDict(
         (name, (-slot.effective() * h).float()) for (name, slot), h in zip(slots.items(), hg)
     )
+
+
+def _taylor_priorities(
+    model: nn.Module, slots: Mapping[str, _Slot], data, loss_fn, n_batches: int, temperature: float
+) -> OrderedDict[str, torch.Tensor]:
+    """First-order Taylor saliency ``|θ ⊙ g|`` (Molchanov et al., CVPR 2019; SNIP's connection
+    sensitivity at initialization): to first order, how much the loss changes when the weight is
+    removed. The weights with the LOWEST saliency go (priority ``-|θ ⊙ g|``). Unlike GraSP it
+    keeps what a pretrained model relies on now, which is what fine-tuning wants; ``g`` is the
+    mean over the first ``n_batches`` batches in eval mode, of the plain loss (no temperature)."""
+    params = [slot.param for slot in slots.values()]
+    with _scoring(model, params, data, n_batches, "taylor") as batches:
+        g = _mean_gradient(model, params, batches, loss_fn, 1.0)
+    return OrderedDict(
+        (name, -(slot.effective() * gi).abs().float()) for (name, slot), gi in zip(slots.items(), g)
+    )
+
+
+@contextlib.contextmanager
+def _scoring(model, params, data, n_batches, method):
+    """The first ``n_batches`` batches on the parameters' device, with the model in eval mode
+    (no BatchNorm running-stat updates, no dropout) for the duration."""
+    device = params[0].device
+    batches = [(x.to(device), y.to(device)) for x, y in islice(iter(data), n_batches)]
+    if not batches:
+        raise ValueError(f"method={method!r} got an empty data iterable")
+    was_training = model.training
+    model.eval()
+    try:
+        yield batches
+    finally:
+        model.train(was_training)
 
 
 # --------------------------------------------------------------------------------------
@@ -294,6 +321,8 @@ def _decide(
 ) -> OrderedDict[str, torch.Tensor]:
     if method == "magnitude":
         priorities = _magnitude_priorities(slots)
+    elif method == "taylor":
+        priorities = _taylor_priorities(model, slots, *grasp_args)
     else:
         priorities = _grasp_priorities(model, slots, *grasp_args)
     for name, mask in previous.items():
@@ -388,14 +417,17 @@ def prune(
         ratio: fraction in [0, 1) of the selected weights to remove: exactly
             ``round(ratio * n)`` over all selected weights (``scope="global"``) or per
             parameter (``scope="layer"``).
-        method: ``"magnitude"`` removes the smallest ``|W|``; ``"grasp"`` removes the
+        method: ``"magnitude"`` removes the smallest ``|W|``; ``"taylor"`` the smallest
+            first-order saliency ``|W ⊙ g|`` (see :func:`_taylor_priorities`); ``"grasp"`` the
             highest GraSP scores ``-W ⊙ (H g)`` (see :func:`_grasp_priorities` for the sign).
         scope: ``"global"`` ranks all selected weights together, ``"layer"`` each tensor.
         include, exclude: parameter selection, see :func:`named_prunable_parameters`.
-        data: iterable of ``(x, y)`` batches, required for GraSP. With ``comm`` only rank 0
-            uses it, but every rank must pass one (arguments are validated everywhere).
+        data: iterable of ``(x, y)`` batches, required for GraSP and Taylor. With ``comm``
+            only rank 0 uses it, but every rank must pass one (arguments are validated
+            everywhere).
         loss_fn: ``loss_fn(logits, y)``; default ``F.cross_entropy``.
-        grasp_batches: how many batches of ``data`` GraSP averages ``g`` and ``H g`` over.
+        grasp_batches: how many batches of ``data`` GraSP averages ``g`` and ``H g`` over
+            (Taylor: ``g``).
         grasp_temperature: logits are divided by this before the loss, as in the GraSP
             reference implementation (T=200); use 1 for the plain loss.
         current_masks: already-pruned coordinates (``False``) that stay pruned; they are
@@ -412,8 +444,8 @@ def prune(
     ratio = _check_ratio(ratio)
     _check_choice("method", method, PRUNING_CRITERIA)
     _check_choice("scope", scope, SCOPES)
-    if method == "grasp" and data is None:
-        raise ValueError("method='grasp' needs data=<iterable of (x, y) batches>")
+    if method != "magnitude" and data is None:
+        raise ValueError(f"method={method!r} needs data=<iterable of (x, y) batches>")
     if isinstance(grasp_batches, bool) or not isinstance(grasp_batches, int) or grasp_batches < 1:
         raise ValueError(f"grasp_batches must be a positive int, got {grasp_batches!r}")
     if not grasp_temperature > 0:

@@ -53,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pacmpi.adapters.pruning import PRUNING_CRITERIA
 from pacmpi.bench import harness
 from pacmpi.bench.harness import comma_list, format_spread, format_value, overlap, spread
 from pacmpi.experiments.models import PRETRAINED_MODELS
@@ -1052,8 +1053,9 @@ def build_parser(parser=None):
     parser.add_argument("--seeds", type=comma_list(int), default=None,
                         help="run everything once per seed, e.g. 0,1,2; the JSON keeps every "
                              "run and adds median and range over seeds (default: --seed)")
-    parser.add_argument("--prune-method", choices=("magnitude", "grasp"), default="magnitude",
-                        help="how the PacTrain rows prune (grasp: at initialization with "
+    parser.add_argument("--prune-method", choices=PRUNING_CRITERIA, default="magnitude",
+                        help="how the PacTrain rows prune (taylor: first-order saliency, "
+                             "for pretrained models; grasp: at initialization with "
                              "--pretrain-epochs 0)")
     parser.add_argument("--merge", metavar="JSON,JSON", type=_words, default=None,
                         help="join earlier runs of the same workload (other seeds or methods) "

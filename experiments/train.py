@@ -107,7 +107,7 @@ class TrainConfig:
     pretrain_lr: float = 3e-3
     method: str = "pactrain"
     ratio: float = 0.5                 # pruning ratio (fraction removed)
-    prune_method: str = "magnitude"    # magnitude | grasp
+    prune_method: str = "magnitude"    # magnitude | grasp | taylor
     gradual: Optional[str] = None      # "step:ratio,step:ratio" (replaces --ratio)
     epochs: int = 3
     eval_every: int = 0                # evaluate every this many steps too (0: per epoch only)

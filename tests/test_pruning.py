@@ -158,6 +158,8 @@ def test_bad_method_scope_and_missing_data_are_named():
         prune(make_model(), 0.5, scope="block")
     with pytest.raises(ValueError, match="needs data"):
         prune(make_model(), 0.5, method="grasp")
+    with pytest.raises(ValueError, match="method='taylor' needs data"):
+        prune(make_model(), 0.5, method="taylor")
     with pytest.raises(ValueError, match="no prunable"):
         prune(make_model(), 0.5, include="nothing.*")
 
@@ -183,6 +185,28 @@ def test_grasp_sign_convention_hand_computed():
                   grasp_temperature=1.0, include="*")
     assert masks["weight"].tolist() == [[False, True]]
     assert model.weight.tolist() == [[0.0, 1.0]]
+
+
+def test_taylor_saliency_hand_computed():
+    """y = w·x, loss = ½(y - t)²: g = r x with r = w·x - t. w = (3, 1), x = (1, 4), t = 10:
+    r = -3, g = (-3, -12), |w ⊙ g| = (9, 12): Taylor removes w₀ = 3, the LARGER weight (the
+    loss leans on w₁ through its large input), where magnitude would remove w₁."""
+    def model():
+        linear = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.tensor([[3.0, 1.0]]))
+        return linear
+
+    data = [(torch.tensor([[1.0, 4.0]]), torch.tensor([10.0]))]
+
+    def half_squared_error(out, target):
+        return 0.5 * ((out.squeeze(-1) - target) ** 2).sum()
+
+    taylor = model()
+    masks = prune(taylor, 0.5, "taylor", data=data, loss_fn=half_squared_error, include="*")
+    assert masks["weight"].tolist() == [[False, True]] and taylor.weight.tolist() == [[0.0, 1.0]]
+    assert prune(model(), 0.5, include="*")["weight"].tolist() == [[True, False]]  # magnitude
+    assert all(p.grad is None for p in taylor.parameters())
 
 
 def test_grasp_exact_ratio_differs_from_magnitude_and_is_side_effect_free(batches):

@@ -145,10 +145,12 @@ def test_evaluate_sums_counts_over_the_transport():
 
     torch.manual_seed(0)
     model = DigitsCNN(width=8)
-    data = train._load_data(train._config({}))
+    cfg = train._config({})
+    data = train._load_data(cfg)
     # Rank 0 of 2 scores every other sample; equal counts on both ranks give its own accuracy.
-    assert train._evaluate(model, data, Doubling([None])) == _accuracy(model, data, 0, 2)
-    assert train._evaluate(model, data) == _accuracy(model, data, 0, 1)
+    assert train._evaluate(cfg, model, data, Doubling([None])) == {
+        "test_accuracy": _accuracy(model, data, 0, 2)}
+    assert train._evaluate(cfg, model, data) == {"test_accuracy": _accuracy(model, data, 0, 1)}
 
 
 def _layout(model):
