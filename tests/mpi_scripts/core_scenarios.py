@@ -161,6 +161,34 @@ def check_ternary_bucket(red, b, bucket, originals, grads, residuals, step, scal
                                    atol=1e-6 * max(scales.max(), 1))
 
 
+def test_ternary_small_tensor_next_to_a_huge_one():
+    """Two tensors in one bucket, gradients 1e6 apart: with per-tensor scales the small one
+    is quantized with the MAX over ranks of its own |values| (decoded sums are multiples of
+    it), with one bucket scale it comes back all zero (negative control); every rank decodes
+    the same values."""
+    for mode in ("tensor", "bucket"):
+        red = PacTrainReducer([None, None], quantize="ternary", average=False,
+                              error_feedback=False, seed=3, ternary_scale=mode)
+        for step in range(3):
+            rng = np.random.default_rng(100 * step + rank)
+            grads = [(rng.standard_normal(500) * 1e3).astype(np.float32),
+                     ((1 + rng.random(50)) * 1e-3).astype(np.float32)]
+            small_scale = comm.allreduce(float(np.abs(grads[1]).max()), op=MPI.MAX)
+            red.reduce(grads)
+            assert len(red.layout) == 1, red.layout.buckets
+            gathered = comm.allgather(np.concatenate([g.reshape(-1) for g in grads]))
+            assert all(np.array_equal(g, gathered[0]) for g in gathered), "ranks differ"
+            if mode == "bucket":
+                assert not grads[1].any(), grads[1]
+                continue
+            digits = grads[1] / np.float32(small_scale)
+            assert grads[1].any() and (grads[1] >= 0).all(), grads[1]
+            np.testing.assert_allclose(digits, np.round(digits), rtol=0, atol=1e-4)
+            assert np.round(digits).max() <= world
+    expect_raise(RankInputError, lambda: PacTrainReducer([None], ternary_scale="layer"),
+                 "ternary_scale must be one of ('tensor', 'bucket'), got 'layer'")
+
+
 def rank1_positions_moved(masks):
     if rank != 1:
         return masks
