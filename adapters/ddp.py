@@ -70,20 +70,23 @@ class PacTrainHookState:
     ``masks``: parameter name (``torch.nn.utils.prune``'s logical names work too) -> bool or
     0/1 mask of its shape, re-read at every verification; ``quantize``: one of
     :data:`pacmpi.QUANTIZE_MODES` (``None``, ``"fp16"``, ``"ternary"``); ``average`` as DDP's
-    default hook; other options as :class:`pacmpi.PacTrainReducer`'s. Checkpoints:
-    :meth:`state_dict` / :meth:`load_state_dict` (restore the masks first). Pickling drops the
-    process group and the model: :meth:`bind` the new model.
+    default hook; other options as :class:`pacmpi.PacTrainReducer`'s (the engine reduces each
+    parameter on its own, so ``ternary_scale`` ``"tensor"`` and ``"bucket"`` agree here).
+    Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks first).
+    Pickling drops the process group and the model: :meth:`bind` the new model.
     """
 
     def __init__(self, model, masks, *, process_group=None, quantize=None, average=True,
                  stable_steps=1, verify_every=1, on_mismatch="raise", error_feedback=True,
-                 seed=0, abort_on_error=None):
-        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every)
+                 seed=0, abort_on_error=None, ternary_scale="tensor"):
+        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every,
+                      ternary_scale=ternary_scale)
         self._model = _module(model)
         self.masks = masks  # as given: re-read at every verification, kept through pickling
         self._options = dict(quantize=quantize, average=average, seed=seed,
                              verify_every=verify_every, on_mismatch=on_mismatch,
-                             stable_steps=stable_steps, error_feedback=error_feedback)
+                             stable_steps=stable_steps, error_feedback=error_feedback,
+                             ternary_scale=ternary_scale)
         self._abort_on_error = abort_on_error
         self.process_group, self.engine, self._collectives = process_group, None, None
         self._specs = self._params = None  # _params is None: not bound (yet, or since pickling)

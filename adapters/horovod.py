@@ -84,8 +84,9 @@ class PacTrainCompressor:
     average:
         Ternary only: divide the decoded sum by ``hvd.size()`` (in lossless mode Horovod's
         ``op`` decides).
-    stable_steps, verify_every, error_feedback, seed, abort_on_error:
-        As in :class:`pacmpi.PacTrainReducer`.
+    stable_steps, verify_every, error_feedback, seed, abort_on_error, ternary_scale:
+        As in :class:`pacmpi.PacTrainReducer` (each gradient is reduced on its own here, so
+        ``ternary_scale`` ``"tensor"`` and ``"bucket"`` give the same scales).
 
     Pruned coordinates come back as zeros (PacTrain's ``G = mask * G``). ``stats`` counts
     steps, verifications, packed/dense reductions (one per tensor), abandoned steps and
@@ -96,14 +97,16 @@ class PacTrainCompressor:
 
     def __init__(self, model_or_named_parameters, masks, *, quantize=None, average=False,
                  stable_steps=1, verify_every=1, error_feedback=True, seed=0,
-                 abort_on_error=None):
-        check_options(quantize=quantize, on_mismatch="raise", verify_every=verify_every)
+                 abort_on_error=None, ternary_scale="tensor"):
+        check_options(quantize=quantize, on_mismatch="raise", verify_every=verify_every,
+                      ternary_scale=ternary_scale)
         if average and quantize != "ternary":  # Horovod's op averages the other payloads
             raise ValueError(f"average=True is for quantize='ternary', not {quantize!r}: "
                              "pass op=hvd.Average to Horovod instead")
         self._source, self._masks, self._bound = model_or_named_parameters, masks, None
         self._options = dict(quantize=quantize, average=average, verify_every=verify_every,
-                             stable_steps=stable_steps, error_feedback=error_feedback, seed=seed)
+                             stable_steps=stable_steps, error_feedback=error_feedback, seed=seed,
+                             ternary_scale=ternary_scale)
         self._abort_on_error = abort_on_error
         self._engine = self._world = None  # bound: the engine, and the world size it was for
         self._pending, self._by_id = set(), {}

@@ -316,9 +316,10 @@ class PacTrainSync(_HookedSync):
         ``"pactrain"`` (only surviving coordinates are sent), ``"pactrain-ternary"`` (those,
         ternary-quantized with error feedback), ``"dense"`` (plain all-reduce of whole
         gradients) or ``"fp16"`` (whole gradients as float16); see :mod:`pacmpi.methods`.
-    bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average, error_feedback:
-        Passed to :class:`pacmpi.PacTrainReducer` (``error_feedback`` only matters for
-        ``"pactrain-ternary"``).
+    bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average, error_feedback,
+    ternary_scale:
+        Passed to :class:`pacmpi.PacTrainReducer` (``error_feedback`` and ``ternary_scale``
+        only matter for ``"pactrain-ternary"``).
     collectives:
         Another :class:`pacmpi.Collectives` transport instead of ``comm``.
     abort_on_error:
@@ -329,7 +330,7 @@ class PacTrainSync(_HookedSync):
     def __init__(self, model, *, comm=None, masks=None, method="pactrain",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
                  stable_steps=1, seed=0, average=True, error_feedback=True, collectives=None,
-                 abort_on_error=None):
+                 abort_on_error=None, ternary_scale="tensor"):
         try:
             spec = lookup_method(method, ALLREDUCE_METHODS)
         except ValueError as exc:
@@ -343,7 +344,7 @@ class PacTrainSync(_HookedSync):
             average=average, bucket_bytes=bucket_bytes, verify_every=verify_every,
             on_mismatch=on_mismatch, stable_steps=stable_steps, seed=seed,
             error_feedback=error_feedback, abort_on_error=abort_on_error,
-            shapes=[tuple(p.shape) for p in self.params],
+            ternary_scale=ternary_scale, shapes=[tuple(p.shape) for p in self.params],
             dtypes=[numpy_dtype(p.dtype) for p in self.params])
         self.collectives = self.reducer.collectives
         layout = self.reducer.layout

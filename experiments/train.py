@@ -52,6 +52,7 @@ from pacmpi.adapters.torch_sync import (
     broadcast_object,
     broadcast_parameters,
 )
+from pacmpi.engine import TERNARY_SCALES, check_options
 from pacmpi.experiments.baselines import make_baseline, make_sync
 from pacmpi.experiments.codesearch import (
     contrastive_loss,
@@ -118,6 +119,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     topk_ratio: float = 0.01           # kept fraction for topk and dgc
     error_feedback: bool = True        # pactrain-ternary and topk residuals (--no-error-feedback)
+    ternary_scale: str = "tensor"      # pactrain-ternary: a scale per tensor, or per bucket
     bias_probe: bool = False           # exact average alongside (extra all-reduce), error stats
     powersgd_rank: int = 1             # --method powersgd (--backend ddp): approximation rank
     bucket_bytes: int = 25 * 1024 * 1024
@@ -184,6 +186,7 @@ def _config(config):
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_options(ternary_scale=cfg.ternary_scale)
     if cfg.watchdog:
         parse_watchdog(cfg.watchdog)
     if cfg.model is None:
@@ -445,7 +448,8 @@ class _HorovodSync(_FrameworkSync):
             ternary = method.quantize == "ternary"
             self.compressor = adapter.PacTrainCompressor(
                 model, masks, quantize=method.quantize, average=ternary,
-                stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
+                stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed,
+                error_feedback=cfg.error_feedback, ternary_scale=cfg.ternary_scale)
             compression, op = self.compressor, (hvd.Sum if ternary else hvd.Average)
         else:
             self.compressor = None
@@ -490,7 +494,8 @@ class _DDPSync(_FrameworkSync):
         if METHODS[cfg.method].packed:
             self.state = PacTrainHookState(
                 self.ddp, masks, quantize=METHODS[cfg.method].quantize,
-                stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed)
+                stable_steps=cfg.stable_steps, verify_every=cfg.verify_every, seed=cfg.seed,
+                error_feedback=cfg.error_feedback, ternary_scale=cfg.ternary_scale)
             self.ddp.register_comm_hook(self.state, pactrain_hook)
         elif cfg.method == "fp16":
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -684,7 +689,7 @@ def fine_tune(config, collectives=None):
         sync_kwargs = ({"comm": collectives.comm} if cfg.method == "topk" else
                        {"collectives": collectives, "bucket_bytes": cfg.bucket_bytes,
                         "verify_every": cfg.verify_every, "stable_steps": cfg.stable_steps,
-                        "seed": cfg.seed})
+                        "seed": cfg.seed, "ternary_scale": cfg.ternary_scale})
         sync = make_sync(model, cfg.method, masks=masks, topk_ratio=cfg.topk_ratio,
                          error_feedback=cfg.error_feedback, **sync_kwargs)
         sync.attach(optimizer)
@@ -840,7 +845,7 @@ def build_parser():
     defaults = TrainConfig()
     choices = {"method": tuple(METHODS), "optimizer": OPTIMIZERS, "backend": BACKENDS,
                "dataset": DATASETS, "prune_method": PRUNING_CRITERIA,
-               "model": tuple(MODELS)}
+               "ternary_scale": TERNARY_SCALES, "model": tuple(MODELS)}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)

@@ -27,19 +27,22 @@ from .arrays import array_module, to_host
 from .bitmaps import Bitmap
 from .errors import LayoutMismatchError, MaskMismatchError
 from .hashing import digest_ints
+from .segments import SegmentTable
 from .ternary import TernaryCodec, ternary_key
 from .tracker import MaskTracker
 from .verify import agree, gather_details, offending_ranks, raise_together
 
 __all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES",
-           "MEMORY_COMPONENTS"]
+           "TERNARY_SCALES", "MEMORY_COMPONENTS"]
 
 QUANTIZE_MODES = (None, "fp16", "ternary")
 MISMATCH_POLICIES = ("raise", "resync")
+# Ternary scale granularity: one per tensor of a bucket (BucketSpec.segments), or per bucket.
+TERNARY_SCALES = ("tensor", "bucket")
 _QUANTIZE_CODES = {None: 0, "fp16": 1, "ternary": 2}
 _MAGIC = 0x7AC9
 _STRUCTURE_FIELDS = ("magic", "step", "buckets", "elements", "layout0", "layout1", "layout2",
-                     "layout3", "quantize", "average", "word")
+                     "layout3", "quantize", "scales", "average", "word")
 _MASK_FIELDS = ("mask0", "mask1", "mask2", "mask3", "survivors", "version")
 COUNTERS = ("steps", "verifications", "bytes_sent", "dense_elements_equivalent",
             "dense_bytes_equivalent", "packed_reductions", "dense_reductions", "dense_fallbacks",
@@ -52,11 +55,13 @@ MEMORY_COMPONENTS = ("indices", "snapshots", "payloads", "words", "residuals")
 @dataclass(frozen=True)
 class BucketSpec:
     """One unit of reduction: a flat array of ``size`` elements of ``dtype``, called ``name``
-    in error messages."""
+    in error messages. ``segments``: the element counts of the tensors it holds back to back
+    (each gets its own ternary scale with ``ternary_scale="tensor"``); empty: one tensor."""
 
     name: str
     dtype: np.dtype
     size: int
+    segments: tuple = ()
 
 
 @dataclass
@@ -67,7 +72,8 @@ class Encoded:
     payload is the front of the bucket, its survivors moved there in place and moved back on
     decode), ``"copy"`` (the payload is a copy of the bucket's values, scattered back on
     decode: packed survivors, a float16 cast, or an unquantized non-finite bucket) or
-    ``"ternary"`` (ternary words).
+    ``"ternary"`` (ternary words, one scale per segment of ``segments``, a
+    :class:`pacmpi.segments.SegmentTable`).
     ``residual`` is the error-feedback residual to keep once the result is back, so an abandoned
     step leaves the residuals as they were. ``scratch``: the engine's buffer the payload was
     written into, lent until the decode.
@@ -77,7 +83,8 @@ class Encoded:
     kind: str
     indices: object
     generation: int
-    scale: float = None
+    scales: object = None
+    segments: object = None
     count: int = 0
     residual: object = None
     scratch: object = None
@@ -124,11 +131,14 @@ def _bits_float(bits):
     return float(np.array(bits, dtype=np.int64).view(np.float64))
 
 
-def check_options(*, quantize, on_mismatch, verify_every):
+def check_options(*, quantize=None, on_mismatch="raise", verify_every=1, ternary_scale="tensor"):
     """Raise ValueError for a bad option of :class:`StepEngine`: a front end that builds its
     engine later (once the process group exists) calls this at construction."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if ternary_scale not in TERNARY_SCALES:
+        raise ValueError(f"ternary_scale must be one of {TERNARY_SCALES}, got "
+                         f"{ternary_scale!r}")
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
     if not isinstance(verify_every, int) or verify_every < 1:
@@ -149,7 +159,8 @@ class StepEngine:
     layout:
         Hashable description of how the front end maps its tensors onto buckets (shapes,
         names); its digest is verified too, so ranks that bucket differently fail together.
-    quantize, average, verify_every, on_mismatch, stable_steps, error_feedback, seed:
+    quantize, average, verify_every, on_mismatch, stable_steps, error_feedback, seed,
+    ternary_scale:
         As documented on :class:`pacmpi.PacTrainReducer`.
     word_dtype:
         Ternary word type: ``"int64"``, ``"int32"``, or ``"uint64"`` (densest; needs an
@@ -159,10 +170,16 @@ class StepEngine:
 
     def __init__(self, collectives, buckets, *, layout=(), quantize=None, average=True,
                  verify_every=1, on_mismatch="raise", stable_steps=1, error_feedback=True,
-                 seed=0, word_dtype="auto"):
-        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every)
+                 seed=0, word_dtype="auto", ternary_scale="tensor"):
+        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every,
+                      ternary_scale=ternary_scale)
         self.collectives = collectives
         self.buckets = tuple(buckets)
+        for spec in self.buckets:
+            if spec.segments and sum(spec.segments) != spec.size:
+                raise ValueError(f"segments of {spec.name} add up to {sum(spec.segments)} "
+                                 f"elements, the bucket has {spec.size}")
+        self.ternary_scale = ternary_scale
         self.layout = list(layout)
         self.quantize, self.average = quantize, bool(average)
         self.verify_every, self.on_mismatch = verify_every, on_mismatch
@@ -186,9 +203,10 @@ class StepEngine:
         return collectives.size
 
     # Reusable buffers (kept per key; lent per payload: free ones by (module, dtype), lent ones
-    # by id of the payload until its encode returns) and the last agreed mask snapshots with
-    # their fingerprints: dicts rebuilt on demand, so never pickled.
-    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots")
+    # by id of the payload until its encode returns), the last agreed mask snapshots with
+    # their fingerprints, and the segment tables (bucket -> (survivor indices, table)): dicts
+    # rebuilt on demand, so never pickled.
+    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots", "_tables")
 
     def _clear_caches(self):
         for name in self._CACHES:
@@ -258,7 +276,7 @@ class StepEngine:
                 if self.tracker.ready_to_pack(b):
                     state.indices = state.mask.positions()
             # The scales hold where each bucket is sent as it was when they were computed.
-            self._scales = {b: _bits_float(maxima[f"scale{b}"]) for b, indices in fused.items()
+            self._scales = {b: self._agreed_fields(b, maxima) for b, indices in fused.items()
                             if self.packed_indices(b) is indices}
         self.stats["verify_seconds"] += time.perf_counter() - started
 
@@ -273,12 +291,38 @@ class StepEngine:
                                                or state.survivors == self.buckets[b].size)}
 
     def _scale_fields(self, fused, scale_flats):
-        """``scale<b>`` fields: each local absmax's float64 bits as int64 (for non-negative
-        floats the integer order is the float order, so MAX over the bits is the MAX scale);
-        zeros when ``scale_flats`` is None (a rank with bad input: the step raises anyway)."""
+        """``scale<b>.<s>`` fields, one per segment with survivors: each local absmax's float64
+        bits as int64 (for non-negative floats the integer order is the float order, so MAX
+        over the bits is the MAX scale); zeros when ``scale_flats`` is None (a rank with bad
+        input: the step raises anyway)."""
         flats = scale_flats() if fused and scale_flats is not None else {}
-        return {f"scale{b}": _float_bits(self._local_scale(b, flats[b]) if flats else 0.0)
-                for b in fused}
+        fields = {}
+        for b in fused:
+            table = self.segment_table(b)
+            local = self._local_scale(b, flats[b]) if flats else np.zeros(len(table))
+            fields.update((f"scale{b}.{s}", _float_bits(local[s])) for s in table.filled)
+        return fields
+
+    def _agreed_fields(self, b, maxima):
+        """Bucket ``b``'s scales from the verification's maxima (0.0 for empty segments)."""
+        table = self.segment_table(b)
+        scales = np.zeros(len(table))
+        for s in table.filled:
+            scales[s] = _bits_float(maxima[f"scale{b}.{s}"])
+        return scales
+
+    def segment_table(self, b):
+        """Bucket ``b``'s :class:`pacmpi.segments.SegmentTable` for its current survivors
+        (one segment with ``ternary_scale="bucket"``): built when they change, not per step."""
+        indices = self.packed_indices(b)
+        cached = self._tables.get(b)
+        if cached is None or cached[0] is not indices:
+            spec = self.buckets[b]
+            sizes = spec.segments if self.ternary_scale == "tensor" and spec.segments \
+                else (spec.size,)
+            digits = self.codec.digits_per_word if self.codec is not None else 1
+            cached = self._tables[b] = (indices, SegmentTable(sizes, indices, digits))
+        return cached[1]
 
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
@@ -356,12 +400,14 @@ class StepEngine:
             "magic": _MAGIC, "step": self.step, "buckets": len(self.buckets),
             "elements": sum(b.size for b in self.buckets),
             "quantize": _QUANTIZE_CODES[self.quantize], "average": int(self.average),
+            "scales": (TERNARY_SCALES.index(self.ternary_scale) + 1
+                       if self.quantize == "ternary" else 0),
             "word": 0 if self.codec is None else self.codec.word_dtype.num,
             "survivors": sum(b.size if s is None else s
                              for b, (_, s) in zip(self.buckets, observations)),
             "version": self.tracker.version,
         }
-        describe = [(str(b.dtype), b.size) for b in self.buckets] + self.layout
+        describe = [(str(b.dtype), b.size, tuple(b.segments)) for b in self.buckets] + self.layout
         fields.update(zip(("layout0", "layout1", "layout2", "layout3"), digest_ints(describe)))
         fields.update(zip(("mask0", "mask1", "mask2", "mask3"),
                           digest_ints([o for pair in observations for o in pair])))
@@ -370,6 +416,7 @@ class StepEngine:
     def _descriptor(self, observations):
         return {
             "step": self.step, "quantize": self.quantize, "average": self.average,
+            "ternary_scale": self.ternary_scale,
             "version": self.tracker.version, "layout": repr(self.layout),
             "buckets": [
                 {"name": b.name, "dtype": str(b.dtype), "elements": b.size,
@@ -380,8 +427,8 @@ class StepEngine:
 
     def _raise_mismatch(self, error_type, fields, observations):
         details = gather_details(self.collectives, self._descriptor(observations))
-        bad = offending_ranks(details, ["buckets", "layout", "version", "quantize", "average",
-                                        "step"])
+        bad = offending_ranks(details, ["buckets", "layout", "version", "quantize",
+                                        "ternary_scale", "average", "step"])
         lines = [f"ranks disagree on {', '.join(fields)} at step {self.step}; "
                  f"offending ranks: {bad}"]
         reference = {bk["name"]: bk for bk in details[0]["buckets"]}
@@ -397,7 +444,8 @@ class StepEngine:
             d = details[rank]
             sizes = [(bk["dtype"], bk["elements"], bk["survivors"]) for bk in d["buckets"]]
             lines.append(f"rank {rank} on {d['host']}: version {d['version']}, "
-                         f"quantize {d['quantize']}, (dtype, elements, survivors) {sizes}")
+                         f"quantize {d['quantize']}, ternary_scale {d['ternary_scale']}, "
+                         f"(dtype, elements, survivors) {sizes}")
             if rank == 0:
                 continue
             differing = [bk for bk in d["buckets"] if mask_of(bk) != on_rank0(bk)]
@@ -491,29 +539,30 @@ class StepEngine:
         order = [b for b in sorted(flats) if self._payload_count(b) and b not in self._scales]
         if self.quantize != "ternary" or not order:
             return
-        local = np.array([self._local_scale(b, flats[b]) for b in order])
-        self._agree(local, name=f"pacmpi.scales.{self.step}")
-        self._scales.update(zip(order, local))
+        local = [self._local_scale(b, flats[b]) for b in order]
+        agreed = np.concatenate(local)
+        self._agree(agreed, name=f"pacmpi.scales.{self.step}")
+        self._scales.update(zip(order, np.split(agreed, np.cumsum([s.size for s in local])[:-1])))
 
-    def _agreed_scale(self, b, flat):
-        """Bucket ``b``'s ternary scale this step: the one agreed beforehand (verification or
-        :meth:`agree_scales`), else agreed now in a MAX all-reduce of its own."""
-        scale = self._scales.pop(b, None)
-        if scale is None:
-            local = np.array([self._local_scale(b, flat)])
-            self._agree(local, name=f"pacmpi.scale.{self.buckets[b].name}")
-            scale = local[0]
-        return scale
+    def _agreed_scales(self, b, flat):
+        """Bucket ``b``'s ternary scales this step, one per segment: the ones agreed beforehand
+        (verification or :meth:`agree_scales`), else agreed now in a MAX all-reduce of their
+        own."""
+        scales = self._scales.pop(b, None)
+        if scales is None:
+            scales = self._local_scale(b, flat)
+            self._agree(scales, name=f"pacmpi.scale.{self.buckets[b].name}")
+        return scales
 
     def _local_scale(self, b, flat):
-        """This rank's part of bucket ``b``'s scale, before the MAX over ranks: its max
-        |gradient + residual| over what the bucket sends (masking first on the dense path, a
-        no-op for the steady buckets of :meth:`_steady_buckets`)."""
+        """This rank's part of bucket ``b``'s scales, before the MAX over ranks: per segment,
+        its max |gradient + residual| over what the bucket sends (masking first on the dense
+        path, a no-op for the steady buckets of :meth:`_steady_buckets`)."""
         xp = array_module(flat)
         indices = self.packed_indices(b)
         self._apply_mask(b, flat, indices)
         residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype), indices)
-        return kernels.absmax(xp, flat, indices, residual)
+        return self.segment_table(b).absmax(xp, flat, residual)
 
     def _agree(self, local, name):
         """MAX of ``local`` (per-bucket maxima) over ranks, in place; non-finite -> inf."""
@@ -588,18 +637,19 @@ class StepEngine:
         return wire, ctx
 
     def _encode_ternary(self, b, xp, flat, indices, count):
-        scale = self._agreed_scale(b, flat)
+        scales = self._agreed_scales(b, flat)
         # Fetched even for a step sent unquantized: the residual then still drops what this
         # step's mask prunes, as on every other step.
         residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype), indices)
-        if not math.isfinite(scale):
+        if not np.isfinite(scales).all():
             # NaN/Inf on some rank: send this bucket unquantized, so the non-finite values
             # propagate exactly as on the dense path and the scale is never NaN.
             self.stats["nonfinite_fallbacks"] += 1
             return self._unquantized(b, xp, flat, indices, count)
-        words, new_residual = self._ternary_words(b, xp, flat, indices, residual, scale, count)
-        return words, Encoded(b, "ternary", indices, self.generation, scale=float(scale),
-                              count=count, residual=new_residual)
+        table = self.segment_table(b)
+        words, new_residual = self._ternary_words(b, xp, flat, residual, scales, table)
+        return words, Encoded(b, "ternary", indices, self.generation, scales=scales,
+                              segments=table, count=count, residual=new_residual)
 
     def _unquantized(self, b, xp, flat, indices, count):
         """Payload and context of a ternary bucket sent as it is (a non-finite scale)."""
@@ -608,19 +658,19 @@ class StepEngine:
         wire = kernels.gather(xp, flat, indices, self._scratch(xp, count, flat.dtype))
         return wire, Encoded(b, "copy", indices, self.generation, count=count)
 
-    def _ternary_words(self, b, xp, flat, indices, residual, scale, count):
-        """Quantize ``flat[indices] + residual`` (``count`` values) into bucket ``b``'s words
+    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False):
+        """Quantize what bucket ``b`` sends of ``flat`` (``compact``: ``flat`` is already the
+        payload's values) plus ``residual`` into its words, segment by segment of ``table``
         with this rank's key; returns the words and the new residual (``None``: not kept)."""
         new_residual = None
         if residual is not None:
             entry = self._residuals[b]
-            if entry.spare is None or entry.spare.size != count:
-                entry.spare = xp.empty(count, dtype=residual.dtype)
+            if entry.spare is None or entry.spare.size != residual.size:
+                entry.spare = xp.empty(residual.size, dtype=residual.dtype)
             new_residual = entry.spare
         key = ternary_key(self.seed, self.step, b, self.collectives.rank)
-        words = self._scratch(xp, self.codec.words_for(count), self.codec.word_dtype)
-        kernels.ternary_encode(xp, flat, indices, residual, new_residual, float(scale), key,
-                               self.codec, words)
+        words = self._scratch(xp, table.words, self.codec.word_dtype)
+        table.encode(xp, flat, residual, new_residual, scales, key, self.codec, words, compact)
         return words, new_residual
 
     def decode(self, wire, ctx, flat):
@@ -631,8 +681,8 @@ class StepEngine:
         xp = array_module(flat)
         divisor = self.collectives.size if self.average and self.collectives.size > 1 else None
         if ctx.kind == "ternary":
-            kernels.ternary_decode(xp, wire, ctx.count, self.codec, self.codec.world_size,
-                                   ctx.scale, divisor, ctx.indices, flat)
+            ctx.segments.decode(xp, wire, self.codec, self.codec.world_size, ctx.scales,
+                                divisor, flat)
             if ctx.residual is not None and ctx.generation == self.generation:
                 entry = self._residuals[ctx.bucket]
                 entry.values, entry.spare = ctx.residual, entry.values
@@ -663,6 +713,9 @@ class StepEngine:
         for state in self.tracker.buckets:
             add("indices", state.indices)
             add("snapshots", state.mask)
+        for _, table in self._tables.values():
+            if table.nbytes():
+                add("indices", table.local)
         for snapshot, _ in self._snapshots.values():
             add("snapshots", snapshot)
         for (kind, _), buffer in self._buffers.items():

@@ -7,7 +7,8 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["splitmix64_int", "mask_fingerprint", "bits_fingerprint", "uniform", "digest_ints"]
+__all__ = ["splitmix64_int", "mask_fingerprint", "bits_fingerprint", "uniform", "uniform_from",
+           "digest_ints"]
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -100,6 +101,12 @@ def uniform(xp, count, key):
     result = bits.astype(xp.float32)
     result *= xp.float32(2.0 ** -24)
     return result
+
+
+def uniform_from(key, start):
+    """The key whose :func:`uniform` number ``j`` is ``key``'s number ``start + j``: the
+    counter starts at the low key word, so moving it moves the stream (the high word stays)."""
+    return (key & ~0xFFFFFFFF) | ((key + start) & 0xFFFFFFFF)
 
 
 def digest_ints(values):

@@ -17,6 +17,8 @@ import socket
 import time
 import warnings
 
+import numpy as np
+
 from . import kernels
 from .arrays import array_module
 from .collectives import Collectives, MPICollectives
@@ -155,7 +157,7 @@ class HierarchicalEngine(StepEngine):
     def _local_scale(self, b, flat):
         """Sum what bucket ``b`` sends over the node, in the compute dtype, into the leader's
         buffer (kept for :meth:`_ternary_words`, complete on the leader only); returns the leader's
-        max |node sum + residual| (0.0 on other ranks)."""
+        max |node sum + residual| per segment (0.0 on other ranks)."""
         xp = array_module(flat)
         indices = self.packed_indices(b)
         self._apply_mask(b, flat, indices)
@@ -166,9 +168,10 @@ class HierarchicalEngine(StepEngine):
         self.collectives.node.reduce(total, "sum", root=0)
         self.stats["comm_seconds"] += time.perf_counter() - started
         self._node_sums[b] = total
+        table = self.segment_table(b)
         if not self.collectives.is_leader:
-            return 0.0
-        return kernels.absmax(xp, total, None, self._residual_for(b, xp, compute, indices))
+            return np.zeros(len(table))
+        return table.absmax(xp, total, self._residual_for(b, xp, compute, indices), compact=True)
 
     def _unquantized(self, b, xp, flat, indices, count):
         # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds this
@@ -178,15 +181,15 @@ class HierarchicalEngine(StepEngine):
             total[...] = 0
         return total, Encoded(b, "copy", indices, self.generation, count=count)
 
-    def _ternary_words(self, b, xp, flat, indices, residual, scale, count):
-        # The leader quantizes the node sum, not its own gradient; the others send digit 0
-        # everywhere, which adds nothing to the leaders' digit sums.
+    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False):
+        # The leader quantizes the node sum (laid out as the payload), not its own gradient;
+        # the others send digit 0 everywhere, which adds nothing to the leaders' digit sums.
         total = self._node_sums.pop(b)
         if not self.collectives.is_leader:
-            words = self._scratch(xp, self.codec.words_for(count), self.codec.word_dtype)
+            words = self._scratch(xp, table.words, self.codec.word_dtype)
             words[...] = 0
             return words, None
-        return super()._ternary_words(b, xp, total, None, residual, scale, count)
+        return super()._ternary_words(b, xp, total, residual, scales, table, compact=True)
 
     def _residual_for(self, b, xp, compute, indices):
         # The residual is the node sum's: the leader keeps it, the others none.

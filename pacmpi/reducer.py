@@ -64,6 +64,10 @@ class PacTrainReducer:
         Steps a changed mask must stay unchanged before its bucket is packed again.
     error_feedback:
         Ternary only: keep the quantization error per bucket and add it to the next step.
+    ternary_scale:
+        Ternary only: ``"tensor"`` (each gradient array of a bucket is quantized with its own
+        scale, the MAX over ranks of its largest |value|) or ``"bucket"`` (one scale for the
+        whole bucket: arrays with small gradients next to large ones are mostly sent as 0).
     seed:
         Seed of the counter-based generator behind stochastic rounding.
     shapes, dtypes:
@@ -94,7 +98,7 @@ class PacTrainReducer:
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
                  stable_steps=1, error_feedback=True, seed=0, shapes=None, dtypes=None,
                  cuda_aware="auto", word_dtype="auto", abort_on_error=None,
-                 hierarchical=False, node_comm=None):
+                 hierarchical=False, node_comm=None, ternary_scale="tensor"):
         if collectives is not None and hierarchical:
             raise ValueError("pass hierarchical=True or collectives=, not both (a "
                              "HierarchicalCollectives as collectives= reduces hierarchically)")
@@ -111,7 +115,8 @@ class PacTrainReducer:
         self.bucket_bytes = bucket_bytes
         self._options = dict(quantize=quantize, average=average, verify_every=verify_every,
                              on_mismatch=on_mismatch, stable_steps=stable_steps,
-                             error_feedback=error_feedback, seed=seed, word_dtype=word_dtype)
+                             error_feedback=error_feedback, seed=seed, word_dtype=word_dtype,
+                             ternary_scale=ternary_scale)
         self._layout = None
         error = None
         try:
@@ -167,6 +172,7 @@ class PacTrainReducer:
     error_feedback = _engine_option("error_feedback")
     seed = _engine_option("seed")
     word_dtype = _engine_option("word_dtype")
+    ternary_scale = _engine_option("ternary_scale")
 
     @property
     def stable_steps(self):
@@ -217,7 +223,8 @@ class PacTrainReducer:
                     f"mask {i} has shape {tuple(mask.shape)} but its gradient has shape "
                     f"{tuple(shape)}")
         layout = BucketLayout(shapes, dtypes, self.bucket_bytes)
-        specs = [BucketSpec(f"bucket {b.index}", b.dtype, b.size) for b in layout.buckets]
+        specs = [BucketSpec(f"bucket {b.index}", b.dtype, b.size,
+                            tuple(m.size for m in b.members)) for b in layout.buckets]
         self._engine = self._engine_type(self._engine.collectives, specs,
                                          layout=layout.describe(), **self._options)
         self._layout = layout

@@ -101,6 +101,8 @@ def test_state_is_built_without_a_process_group():
         copy.bind()
     with pytest.raises(ValueError, match="quantize must be one of"):
         PacTrainHookState(model, {}, quantize="fp8")
+    with pytest.raises(ValueError, match="ternary_scale must be one of .*got 'layer'"):
+        PacTrainHookState(model, {}, quantize="ternary", ternary_scale="layer")
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         PacTrainHookState(model.state_dict(), {})
 

@@ -11,7 +11,8 @@ from pacmpi.hierarchy import hierarchical_wire_bits
 from mpi_util import netns_skip_reason, run_scenarios, scenario_cases, scenario_names, scenario_run
 
 MODULE = "hierarchical_scenarios.py"
-ALL = ("exact", "ternary", "state", "mismatch", "resync", "bad_node_comm")
+ALL = ("exact", "ternary", "ternary_scales_per_tensor", "state", "mismatch", "resync",
+       "bad_node_comm")
 
 
 def selected(names):
@@ -21,7 +22,7 @@ def selected(names):
 
 RUNS = {  # (ranks, ranks per node): the tests of one launch; ids such as 4ranks-2-exact
     (4, "2"): selected(ALL),
-    (3, "2"): selected(("exact", "ternary", "mismatch")),
+    (3, "2"): selected(("exact", "ternary", "ternary_scales_per_tensor", "mismatch")),
     (2, "1"): selected(("exact", "ternary", "mismatch", "bad_node_comm")),
     (2, "default"): selected(("nodes", "exact", "ternary", "state", "mismatch", "resync")),
 }

@@ -34,6 +34,8 @@ def test_parse_gradual():
     ({"method": "dgc", "bias_probe": True}, "bias-probe needs"),
     ({"method": "pactrain", "backend": "ddp", "bias_probe": True}, "bias-probe needs"),
     ({"method": "terngrad", "backend": "horovod"}, "run --method topk|terngrad|dgc"),
+    ({"method": "pactrain-ternary", "ternary_scale": "layer"},
+     "ternary_scale must be one of .*got 'layer'"),
 ])
 def test_config_validation(config, message):
     with pytest.raises(ValueError, match=message):
@@ -45,6 +47,7 @@ def test_parser_covers_every_config_field():
                                             "--no-progress", "--gradual", "5:0.5"])
     assert args.method == "topk" and args.topk_ratio == 0.02 and args.progress is False
     assert train._config(args).gradual == "5:0.5"
+    assert train.build_parser().parse_args(["--ternary-scale", "bucket"]).ternary_scale == "bucket"
 
 
 def test_horovod_backend_fails_clearly_without_horovod(monkeypatch):

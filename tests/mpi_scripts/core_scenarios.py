@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 from pacmpi import LayoutMismatchError, MaskMismatchError, PacTrainReducer, RankInputError
 from pacmpi.arrays import supported_float_dtypes
+from pacmpi.hashing import uniform_from
 from pacmpi.ternary import stochastic_ternary, ternary_key
 
 from mismatch_checks import expect_raise
@@ -103,44 +104,89 @@ def test_nonfinite_in_place():
 
 
 def test_ternary():
+    """Against an oracle built from the public pieces: per segment (each gradient of a bucket
+    with ternary_scale="tensor", the whole bucket with "bucket") the scale is the MAX over
+    ranks of its largest |value + residual| over what is sent, and its codes are
+    stochastic_ternary's with the bucket's key moved to the segment's first payload value."""
     masks = shared_masks()
-    for error_feedback in (False, True):
-        red = PacTrainReducer(masks, quantize="ternary", average=False, bucket_bytes=64,
-                              error_feedback=error_feedback, seed=5)
-        for step in range(4):
-            rng = np.random.default_rng(step * 7 + rank)
-            grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-            originals = [g.copy() for g in grads]
-            residuals = red.state_dict()["residuals"]
+    for scale_mode in ("tensor", "bucket"):
+        for error_feedback in (False, True):
+            red = PacTrainReducer(masks, quantize="ternary", average=False, bucket_bytes=64,
+                                  error_feedback=error_feedback, seed=5,
+                                  ternary_scale=scale_mode)
+            for step in range(4):
+                rng = np.random.default_rng(step * 7 + rank)
+                grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+                originals = [g.copy() for g in grads]
+                residuals = red.state_dict()["residuals"]
+                red.reduce(grads)
+                for b, bucket in enumerate(red.layout.buckets):
+                    check_ternary_bucket(red, b, bucket, originals, grads, residuals, step,
+                                         scale_mode, error_feedback)
+
+
+def check_ternary_bucket(red, b, bucket, originals, grads, residuals, step, scale_mode,
+                         error_feedback):
+    state = red.tracker.buckets[b]
+    flat = np.concatenate([originals[m.index].reshape(-1) for m in bucket.members])
+    mask = np.ones(bucket.size, bool) if state.mask is None else state.mask.unpack()
+    flat = flat * mask
+    if error_feedback and b in residuals:
+        flat = flat + residuals[b] * mask
+    sizes = [m.size for m in bucket.members] if scale_mode == "tensor" else [bucket.size]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    # The payload: the survivors when packed, the whole (masked) bucket when dense.
+    kept = mask if state.packed else np.ones(bucket.size, bool)
+    starts = [int(kept[:o].sum()) for o in offsets]
+    values = flat[kept]
+    scales = np.array([np.abs(values[s0:s1]).max() if s1 > s0 else 0.0
+                       for s0, s1 in zip(starts, starts[1:])])
+    comm.Allreduce(MPI.IN_PLACE, scales, op=MPI.MAX)
+    key = ternary_key(5, step, b, rank)
+    codes = np.concatenate([
+        stochastic_ternary(np, values[s0:s1].astype(np.float32), scale, uniform_from(key, s0))
+        for s0, s1, scale in zip(starts, starts[1:], scales)]).astype(np.int64)
+    code_sum = codes.copy()
+    comm.Allreduce(MPI.IN_PLACE, code_sum)
+    per_value = np.repeat(scales, np.diff(starts)).astype(np.float32)
+    expected = np.zeros(bucket.size, np.float32)
+    expected[kept] = code_sum.astype(np.float32) * per_value
+    got = np.concatenate([grads[m.index].reshape(-1) for m in bucket.members])
+    wrong = np.flatnonzero(got != expected)
+    assert np.array_equal(got, expected), (scale_mode, step, b, state.packed, wrong,
+                                           got[wrong], expected[wrong], scales)
+    if error_feedback:  # g + r_old == q + r_new
+        new = red.state_dict()["residuals"][b][kept]
+        np.testing.assert_allclose(codes * per_value + new, values, rtol=0,
+                                   atol=1e-6 * max(scales.max(), 1))
+
+
+def test_ternary_small_tensor_next_to_a_huge_one():
+    """Two tensors in one bucket, gradients 1e6 apart: with per-tensor scales the small one
+    is quantized with the MAX over ranks of its own |values| (decoded sums are multiples of
+    it), with one bucket scale it comes back all zero (negative control); every rank decodes
+    the same values."""
+    for mode in ("tensor", "bucket"):
+        red = PacTrainReducer([None, None], quantize="ternary", average=False,
+                              error_feedback=False, seed=3, ternary_scale=mode)
+        for step in range(3):
+            rng = np.random.default_rng(100 * step + rank)
+            grads = [(rng.standard_normal(500) * 1e3).astype(np.float32),
+                     ((1 + rng.random(50)) * 1e-3).astype(np.float32)]
+            small_scale = comm.allreduce(float(np.abs(grads[1]).max()), op=MPI.MAX)
             red.reduce(grads)
-            for b, bucket in enumerate(red.layout.buckets):
-                state = red.tracker.buckets[b]
-                flat = np.concatenate([originals[m.index].reshape(-1) for m in bucket.members])
-                mask = 1 if state.mask is None else state.mask.unpack()  # a Bitmap
-                flat = flat * mask
-                if error_feedback and b in residuals:
-                    flat = flat + residuals[b] * mask
-                values = flat[state.indices] if state.packed else flat
-                scale = np.array([np.abs(values).max() if values.size else 0.0])
-                comm.Allreduce(MPI.IN_PLACE, scale, op=MPI.MAX)
-                codes = stochastic_ternary(np, values.astype(np.float32), scale[0],
-                                           ternary_key(5, step, b, rank)).astype(np.int64)
-                code_sum = codes.copy()
-                comm.Allreduce(MPI.IN_PLACE, code_sum)
-                expected = np.zeros(bucket.size, np.float32)
-                if state.packed:
-                    expected[state.indices] = code_sum * scale[0]
-                else:
-                    expected[...] = code_sum * scale[0]
-                got = np.concatenate([grads[m.index].reshape(-1) for m in bucket.members])
-                wrong = np.flatnonzero(got != expected)
-                assert np.array_equal(got, expected), (step, b, state.packed, wrong, got[wrong],
-                                                       expected[wrong], scale)
-                if error_feedback:  # g + r_old == q + r_new
-                    new = red.state_dict()["residuals"][b]
-                    new = new[state.indices] if state.packed else new
-                    np.testing.assert_allclose(codes * scale[0] + new, values, rtol=0,
-                                               atol=1e-6 * max(scale[0], 1))
+            assert len(red.layout) == 1, red.layout.buckets
+            gathered = comm.allgather(np.concatenate([g.reshape(-1) for g in grads]))
+            assert all(np.array_equal(g, gathered[0]) for g in gathered), "ranks differ"
+            if mode == "bucket":
+                assert not grads[1].any(), grads[1]
+                continue
+            digits = grads[1] / np.float32(small_scale)
+            assert grads[1].any() and (grads[1] >= 0).all(), grads[1]
+            np.testing.assert_allclose(digits, np.round(digits), rtol=0, atol=1e-4)
+            assert np.round(digits).max() <= world
+    expect_raise(RankInputError, lambda: PacTrainReducer([None], ternary_scale="layer"),
+                 "ternary_scale must be one of ('tensor', 'bucket'), got 'layer'")
 
 
 def rank1_positions_moved(masks):

@@ -119,6 +119,31 @@ def test_ternary():
     assert np.isfinite(np.delete(grads[0], kept)).all() and red.stats["nonfinite_fallbacks"] == 1
 
 
+def test_ternary_scales_per_tensor():
+    """Per-tensor scales come from the node sums: a small tensor in one bucket with a huge one
+    decodes to multiples of the MAX over nodes of its own |node sum| (divided by the ranks);
+    one bucket scale zeroes it (negative control)."""
+    def grads_of(r):
+        rng = np.random.default_rng(r)
+        return [(rng.standard_normal(300) * 1e3).astype(np.float32),
+                ((1 + rng.random(40)) * 1e-3).astype(np.float32)]
+
+    node_sums = [sum(grads_of(r)[1].astype(np.float64) for r in members)
+                 for members in hierarchical([None]).collectives.node_layout]
+    small_scale = max(np.abs(s).max() for s in node_sums)
+    for mode in ("tensor", "bucket"):
+        red = hierarchical([None, None], quantize="ternary", error_feedback=False,
+                           ternary_scale=mode)
+        grads = grads_of(rank)
+        red.reduce(grads)
+        if mode == "bucket":
+            assert not grads[1].any(), grads[1]
+            continue
+        codes = grads[1].astype(np.float64) * world / small_scale
+        assert grads[1].any() and np.allclose(codes, np.rint(codes), rtol=0, atol=1e-3), codes
+        assert np.rint(codes).max() <= red.collectives.nodes
+
+
 def test_state():
     """Error feedback keeps the node sums' residuals on the leaders only (sum over leaders of
     node sum + r_old - r_new is the decoded sum); state_dict round trips and, with the default

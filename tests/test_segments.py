@@ -1,0 +1,147 @@
+"""Per-tensor ternary scales: the segment table and its encoding, on one process (the
+multi-rank checks are in mpi_scripts/core_scenarios.py)."""
+import numpy as np
+import pytest
+
+from pacmpi import kernels
+from pacmpi.engine import check_options
+from pacmpi.hashing import uniform, uniform_from
+from pacmpi.segments import SegmentTable
+from pacmpi.ternary import TernaryCodec
+
+ROUTES = ["numpy", "numba"]  # the reference, and the compiled kernels the segments call
+KEY = 0x9E3779B97F4A7C15
+
+
+@pytest.fixture(params=ROUTES)
+def route(request):
+    kernels.set_backend(request.param if request.param == "numpy" else "numba")
+    yield request.param
+    kernels.set_backend(None)
+
+
+def _case(seed=0, sizes=(300, 7, 0, 1000, 5), density=0.6):
+    rng = np.random.default_rng(seed)
+    size = sum(sizes)
+    # Magnitudes that differ by orders between tensors, as a model's do.
+    flat = np.concatenate([rng.standard_normal(n) * 10.0 ** (3 - 2 * i)
+                           for i, n in enumerate(sizes)]).astype(np.float32)
+    indices = np.flatnonzero(rng.random(size) < density).astype(np.int32)
+    return flat, indices
+
+
+def _encode(table, flat, residual, scales, codec, indices_given):
+    words = np.empty(table.words, codec.word_dtype)
+    out = None if residual is None else np.empty_like(residual)
+    table.encode(np, flat, residual, out, scales, KEY, codec, words)
+    return words, out
+
+
+def test_uniform_from_moves_the_stream():
+    for key in (0, KEY, 0xFFFFFFF0, 2 ** 64 - 1):  # the low word wraps, the high one stays
+        for start in (0, 1, 17, 1000):
+            np.testing.assert_array_equal(uniform(np, start + 64, key)[start:],
+                                          uniform(np, 64, uniform_from(key, start)))
+    assert not np.array_equal(uniform(np, 64, KEY), uniform(np, 64, uniform_from(KEY, 1)))
+
+
+def test_table_places_each_tensor_after_the_survivors_before_it():
+    sizes = (300, 7, 0, 1000, 5)
+    flat, indices = _case(sizes=sizes)
+    table = SegmentTable(sizes, indices, digits=27)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    assert list(table.starts) == [int((indices < o).sum()) for o in offsets]
+    assert list(table.filled) == [s for s in range(5) if table.starts[s + 1] > table.starts[s]]
+    assert table.words == sum(-(-int(n) // 27) for n in np.diff(table.starts))
+    for s in table.filled:  # positions relative to the tensor's own offset
+        local = table.local[table.starts[s]:table.starts[s + 1]]
+        np.testing.assert_array_equal(local + offsets[s],
+                                      indices[table.starts[s]:table.starts[s + 1]])
+    dense = SegmentTable(sizes, None, digits=27)
+    assert dense.local is None and list(dense.starts) == list(offsets)
+    one = SegmentTable((sum(sizes),), indices, digits=27)
+    assert one.local is indices and one.nbytes() == 0  # one segment: no copy
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_one_segment_is_the_bucket_encoding_bit_for_bit(route, packed, with_residual):
+    flat, indices = _case(seed=1)
+    indices = indices if packed else None
+    count = flat.size if indices is None else indices.size
+    codec = TernaryCodec(4, "uint64")
+    residual = (np.random.default_rng(2).standard_normal(count).astype(np.float32) * 0.1
+                if with_residual else None)
+    scale = kernels.absmax(np, flat, indices, residual)
+    table = SegmentTable((flat.size,), indices, codec.digits_per_word)
+    assert table.absmax(np, flat, residual)[0] == scale
+    words, out = _encode(table, flat, residual, [scale], codec, packed)
+    expected = np.empty(codec.words_for(count), codec.word_dtype)
+    expected_out = None if residual is None else np.empty_like(residual)
+    kernels.ternary_encode(np, flat, indices, residual, expected_out, scale, KEY, codec,
+                           expected)
+    np.testing.assert_array_equal(words, expected)
+    if residual is not None:
+        np.testing.assert_array_equal(out, expected_out)
+    summed = words * np.uint64(3)  # as if 3 ranks sent these words
+    got = table.decode(np, summed, codec, 3, [scale], 4, np.full_like(flat, np.nan))
+    want = kernels.ternary_decode(np, summed, count, codec, 3, scale, 4, indices,
+                                  np.full_like(flat, np.nan))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_equal_scales_give_the_one_scale_values_and_own_scales_keep_small_tensors(route):
+    """Segments draw the bucket's random numbers: with every scale equal to the bucket's the
+    decoded values are the bucket encoding's (the words differ: segments start on word
+    boundaries). With their own scales the small tensors are no longer all zero."""
+    sizes = (300, 7, 0, 1000, 5)
+    flat, indices = _case(seed=3, sizes=sizes)
+    codec = TernaryCodec(2, "int64")
+    one = SegmentTable((flat.size,), indices, codec.digits_per_word)
+    many = SegmentTable(sizes, indices, codec.digits_per_word)
+    bucket_scale = one.absmax(np, flat, None)[0]
+    own = many.absmax(np, flat, None)
+    assert own.max() == bucket_scale and own[2] == 0.0 and (own[many.filled] > 0).all()
+
+    def decoded(table, scales):
+        words, _ = _encode(table, flat, None, scales, codec, True)
+        return table.decode(np, words, codec, 1, scales, None, np.empty_like(flat)), words
+
+    values_one, words_one = decoded(one, [bucket_scale])
+    values_many, words_many = decoded(many, np.where(own > 0, bucket_scale, 0.0))
+    np.testing.assert_array_equal(values_many, values_one)
+    assert words_many.size > words_one.size  # padded: not the same words
+    values_own, _ = decoded(many, own)
+    small = slice(300, 307)  # the 7-element tensor, 1e4 times smaller than the first
+    kept = np.isin(np.arange(300, 307), indices)
+    assert not values_one[small][kept].any()  # negative control: one scale zeroes it
+    assert values_own[small][kept].any()
+    assert not values_own[300 + 7 + 1000:][~np.isin(np.arange(1307, 1312), indices)].any()
+
+
+def test_compiled_route_matches_the_reference_on_several_segments():
+    sizes = (300, 7, 0, 1000, 5)
+    flat, indices = _case(seed=4, sizes=sizes)
+    codec = TernaryCodec(4, "uint64")
+    residual = np.random.default_rng(5).standard_normal(indices.size).astype(np.float32)
+    results = []
+    for route in ROUTES:
+        kernels.set_backend(route if route == "numpy" else "numba")
+        try:
+            table = SegmentTable(sizes, indices, codec.digits_per_word)
+            scales = table.absmax(np, flat, residual)
+            words, out = _encode(table, flat, residual, scales, codec, True)
+            results.append((scales, words, out,
+                             table.decode(np, words * np.uint64(4), codec, 4, scales, 4,
+                                          np.empty_like(flat))))
+        finally:
+            kernels.set_backend(None)
+    for reference, compiled in zip(*results):
+        np.testing.assert_array_equal(compiled, reference)
+
+
+def test_bad_scale_granularity_is_named():
+    check_options(ternary_scale="bucket")
+    with pytest.raises(ValueError, match=r"ternary_scale must be one of \('tensor', 'bucket'\), "
+                                         r"got 'layer'"):
+        check_options(ternary_scale="layer")
