@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import statistics
 import subprocess
@@ -56,6 +55,7 @@ from pathlib import Path
 from pacmpi.adapters.pruning import PRUNING_CRITERIA
 from pacmpi.bench import harness
 from pacmpi.bench.harness import comma_list, format_spread, format_value, overlap, spread
+from pacmpi.experiments.data import cache_dir as lab_cache_dir
 from pacmpi.experiments.models import PRETRAINED_MODELS
 from pacmpi.launch import CalibrationError, TestbedError, run_command
 from pacmpi.methods import METHODS, canonical_name
@@ -694,8 +694,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
             "docs/results.md for why this size."] + NOTES[4:])
         notes += NODE_NOTES if nodes else []
         notes += TIMING_NOTES if timing_steps else []
-    cache_dir = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                     / "pacmpi")
+    cache_dir = Path(cache_dir or lab_cache_dir())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = Path(json_path) if json_path else out_dir / "bench_train.json"

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pacmpi.experiments.data import DataSplit
+from pacmpi.experiments.data import cache_dir as lab_cache_dir
 
 __all__ = ["MODEL_NAME", "TEST_PAIRS", "DualEncoder", "contrastive_loss", "load_codesearch_split",
            "mine_pairs", "pretrained_path", "retrieval_accuracy"]
@@ -139,13 +140,13 @@ def _tokenize(tokenizer, texts):
 
 
 def load_codesearch_split(model_name=MODEL_NAME, cache_dir=None, test_pairs=TEST_PAIRS):
-    """The split as token ids: ``x`` of shape ``(N, 2, MAX_TOKENS)`` (query, code), ``y`` the
-    pair index (the loss and the metric use the in-batch diagonal, not ``y``'s values)."""
+    """The split as token ids (the mined pairs cached in ``cache_dir``, default
+    :func:`pacmpi.experiments.data.cache_dir`): ``x`` of shape ``(N, 2, MAX_TOKENS)`` (query,
+    code), ``y`` the pair index (the loss and the metric use the in-batch diagonal, not ``y``'s
+    values)."""
     from transformers import AutoTokenizer
 
-    cache_dir = cache_dir or os.environ.get("PACMPI_CACHE",
-                                            Path.home() / ".cache" / "pacmpi")
-    pairs = _cached_pairs(cache_dir)
+    pairs = _cached_pairs(cache_dir or lab_cache_dir())
     train = [p for p in pairs if not _held_out(p[0])]
     held = [p for p in pairs if _held_out(p[0])]
     if len(held) < test_pairs:

@@ -8,9 +8,11 @@
 * :func:`shard` -- disjoint, equal-size per-rank shards (remainder dropped, so every rank
   takes the same number of steps and collective calls stay matched).
 * :func:`iterate_minibatches` -- shuffled minibatches, deterministic per ``(seed, epoch)``.
+* :func:`cache_dir` -- where the lab caches what it makes once.
 """
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence, Union
@@ -19,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-__all__ = ["DataSplit", "iterate_minibatches", "load_cifar10", "load_digits32_split",
-           "load_digits_split", "shard"]
+__all__ = ["DataSplit", "cache_dir", "iterate_minibatches", "load_cifar10",
+           "load_digits32_split", "load_digits_split", "shard"]
 
 CIFAR10_BATCHES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5")
 _CIFAR10_TEST = "test_batch"
@@ -34,6 +36,12 @@ class DataSplit(NamedTuple):
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+
+
+def cache_dir() -> Path:
+    """Where the lab keeps what it makes once and reuses (pretrained models, mined data):
+    ``$XDG_CACHE_HOME/pacmpi``, else ``~/.cache/pacmpi``."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pacmpi"
 
 
 def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:

