@@ -31,7 +31,9 @@ node, ``ranks / K`` ranks each); the larger workload is ``--dataset digits32 --m
 Repeats: ``--seeds 0,1,2`` runs everything once per seed (each seed its own pretraining, data
 split, target); the JSON keeps every run under ``seed_runs`` and gives the median and range over
 seeds per method under ``repeats``, with the methods whose ranges overlap (they tie).
-``--merge A.json,B.json`` joins runs made separately (other seeds or methods). These run the MPI
+``--merge A.json,B.json`` joins runs made separately (other seeds or methods); ``--curves
+A.json --timing-steps N`` takes every seed's unshaped curves from A (run before, e.g. on a busy
+machine: a curve is the same whatever the load) and times the shaped rates only. These run the MPI
 backend under ``mpirun``. Labels starting ``ddp-`` run ``pacmpi train --backend ddp`` under
 ``torchrun`` (gloo) on the same test bed: ``ddp-dense`` (DDP's default all-reduce),
 ``ddp-fp16`` (``fp16_compress_hook``), ``ddp-powersgd-<K>`` (``powerSGD_hook`` of rank K) on
@@ -136,7 +138,11 @@ TIMING_NOTES = [
     "only, and its accuracy curve is its unshaped run's with each evaluation placed at step x "
     "the mean shaped step time (steps after the first 2). Exact up to the step time's "
     "variation: the methods are synchronous and seeded, so the link changes when a step ends, "
-    "never what it computes (MPI's summation order aside).",
+    "never what it computes (MPI's summation order aside). The shaped rates are timed on the "
+    "first seed only and every seed's curve is placed at those step times: a seed orders the "
+    "batches, it does not change what a step sends (the mask's size is the ratio's, TopK's k "
+    "is fixed), so the spread over seeds is the curves' and the step time's noise is the "
+    "first seed's interval (throughput).",
 ]
 NODE_NOTES = [
     "Node test bed (--nodes K): every job runs on K simulated nodes (network namespaces behind "
@@ -452,6 +458,33 @@ def _current_labels(report):
     return report
 
 
+# What a run computes; the link (nodes, topology) and --timing-steps change only how long it takes.
+TRAINING = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden", "pretrain_epochs",
+            "prune_method", "baseline_ratio", "dataset", "optimizer", "eval_every")
+# Reports written before a workload key existed ran its default.
+_BEFORE = {"dataset": "digits", "optimizer": "sgd", "eval_every": 0, "timing_steps": None}
+
+
+def _workload_differs(a, b, keys=TRAINING + ("nodes", "topology", "timing_steps")):
+    return [k for k in keys if a.get(k, _BEFORE.get(k)) != b.get(k, _BEFORE.get(k))]
+
+
+def curves_from(report, cfg, seeds):
+    """The unshaped (``none``) blocks of an earlier report, by seed, for :func:`run_benchmark`'s
+    ``curves``: ``ValueError`` naming what differs unless it trained the same way (the link and
+    ``timing_steps`` may differ) and ran every one of ``seeds`` unshaped."""
+    report = _current_labels(json.loads(json.dumps(report)))
+    differ = _workload_differs(report["config"], cfg, TRAINING)
+    if differ:
+        raise ValueError(f"--curves: that report's training differs in {differ}")
+    runs = _seed_runs(report)
+    missing = [s for s in seeds if "none" not in runs.get(str(s), {})]
+    if missing:
+        raise ValueError(f"--curves: that report has no unshaped (rate none) runs of seeds "
+                         f"{missing}")
+    return {s: runs[str(s)]["none"] for s in seeds}
+
+
 def merge_reports(reports):
     """One report from runs of the same workload with different seeds (or methods): their
     ``seed_runs`` joined (a method that ran twice for the same seed and rate is an error), the
@@ -460,14 +493,8 @@ def merge_reports(reports):
     reports = [_current_labels(json.loads(json.dumps(report))) for report in reports]
     merged = reports[0]
     merged["seed_runs"] = _seed_runs(merged)
-    workload = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden",
-                "pretrain_epochs", "prune_method", "baseline_ratio", "dataset", "nodes",
-                "topology", "optimizer", "eval_every", "timing_steps")
-    # Reports written before a workload key existed ran its default.
-    before = {"dataset": "digits", "optimizer": "sgd", "eval_every": 0, "timing_steps": None}
     for other in reports[1:]:
-        differ = [k for k in workload if other["config"].get(k, before.get(k))
-                  != merged["config"].get(k, before.get(k))]
+        differ = _workload_differs(other["config"], merged["config"])
         if differ:
             raise ValueError(f"cannot merge runs whose workload differs in {differ}")
         for seed, rates in _seed_runs(other).items():
@@ -641,7 +668,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                   nodes=None, topology=None, baseline_ratio=0.0,
                   target_fraction=0.98, tolerance=0.15, timeout=1200, seed=0, seeds=None,
                   prune_method="magnitude", train_args=(), cache_dir=None, optimizer="sgd",
-                  eval_every=0, timing_steps=None,
+                  eval_every=0, timing_steps=None, curves=None,
                   out_dir="results", json_path=None, plots=True, echo=True, notes=None):
     """Run the benchmark and return its JSON-able dict (also written to ``json_path``,
     default ``out_dir/bench_train.json``; plots go to ``out_dir``).
@@ -661,7 +688,10 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     ``--optimizer`` and ``--eval-every`` (steps between evaluations; 0: per epoch);
     ``timing_steps``: run every shaped rate for this many steps only, to time its steps, and
     take each method's accuracy curve from its unshaped run (``rates`` must start with
-    ``"none"``; see :func:`compose_timing`); ``baseline_ratio``: pruning of the dense/fp16/TopK
+    ``"none"``; see :func:`compose_timing`; the shaped rates are timed on the first seed and
+    every seed's curve composed with that timing); ``curves``: an earlier report (a dict) whose
+    unshaped runs of ``methods`` stand for rate ``none`` instead of running it
+    (:func:`curves_from`); ``baseline_ratio``: pruning of the dense/fp16/TopK
     baselines; ``target_fraction``: TTA target as a fraction of the dense
     fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
     nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
@@ -673,7 +703,8 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     started = time.perf_counter()
     methods = expand_methods(methods)
     specs = [parse_method(m, baseline_ratio) for m in methods]
-    check_nodes(nodes, topology, ranks, rates, sweep_rate if sweep_ratios else None, specs)
+    run_rates = [r for r in rates if not (curves is not None and r == "none")]
+    check_nodes(nodes, topology, ranks, run_rates, sweep_rate if sweep_ratios else None, specs)
     if timing_steps is not None and (not rates or rates[0] != "none" or timing_steps < 4):
         raise ValueError(f"--timing-steps {timing_steps} needs at least 4 steps (2 warm-up) "
                          f"and rates starting with none, got {','.join(rates)}")
@@ -694,6 +725,8 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
             "docs/results.md for why this size."] + NOTES[4:])
         notes += NODE_NOTES if nodes else []
         notes += TIMING_NOTES if timing_steps else []
+    loaded = ({} if curves is None
+              else curves_from(curves, {**cfg, "baseline_ratio": baseline_ratio}, seeds))
     cache_dir = Path(cache_dir or lab_cache_dir())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -707,20 +740,39 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                    "sweep_ratios": list(sweep_ratios), "sweep_rate": sweep_rate,
                    "baseline_ratio": baseline_ratio, "target_fraction": target_fraction,
                    "tolerance": tolerance, "seed": seeds[0], "seeds": list(seeds),
-                   "pretrained": {str(s): str(p) for s, p in pretrained.items()}},
+                   "pretrained": {str(s): str(p) for s, p in pretrained.items()},
+                   "curves_from": None if curves is None else curves.get("created")},
         "notes": notes + (DDP_NOTES if any(s.backend == "ddp" for s in specs) else []),
         "schema_version": 2, "seed_runs": {}, "rates": {}, "ratio_sweep": None, "plots": {},
     }
     timed = {**cfg, "eval_every": 0, "max_steps": timing_steps}
+    first_timing = {}  # rate -> the first seed's timing runs, before composition
+
+    def copy(block):
+        return json.loads(json.dumps(block))
+
     for s in seeds:
         blocks = report["seed_runs"][str(s)] = {}
         with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
             for rate in rates:
                 timing = timing_steps is not None and rate != "none"
-                blocks[rate] = _run_rate(timed if timing else cfg, specs, rate, pretrained[s],
-                                         workdir, s, tolerance, timeout, echo)
+                if rate == "none" and s in loaded:
+                    blocks[rate] = copy(loaded[s])
+                    for key in ("runs", "failed"):
+                        blocks[rate][key] = {label: run for label, run in
+                                             blocks[rate][key].items() if label in methods}
+                    continue
+                if timing and rate in first_timing:
+                    blocks[rate] = copy(first_timing[rate])
+                else:
+                    blocks[rate] = _run_rate(timed if timing else cfg, specs, rate,
+                                             pretrained[s], workdir, s, tolerance, timeout, echo)
+                    if timing:
+                        first_timing[rate] = copy(blocks[rate])
                 if timing:
                     compose_timing(blocks[rate], blocks["none"], timing_steps)
+                    for run in blocks[rate]["runs"].values():
+                        run["composed"]["timed_on_seed"] = seeds[0]
     report["rates"] = report["seed_runs"][str(seeds[0])]
     if sweep_ratios:
         with tempfile.TemporaryDirectory(prefix="pacmpi-bench-") as workdir:
@@ -1026,6 +1078,10 @@ def build_parser(parser=None):
                         help="shaped rates run each method this many steps only, to time its "
                              "steps; its accuracy curve is its unshaped run's (rates must "
                              "start with none); see the module doc")
+    parser.add_argument("--curves", metavar="JSON", default=None,
+                        help="with --timing-steps: take rate none's runs (every seed's accuracy "
+                             "curves) from this earlier report of the same training instead of "
+                             "running them")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--model", default=None,
                         help=f"training job's --model (default {FULL['model']})")
@@ -1102,8 +1158,13 @@ def main(argv=None):
     rates = args.rates or default_rates
     sweep_ratios = (() if args.no_sweep else default_sweep if args.sweep_ratios is None
                     else args.sweep_ratios)
+    curves = None
+    if args.curves:
+        with open(args.curves) as f:
+            curves = json.load(f)
     try:
-        check_nodes(args.nodes, args.topology, workload["ranks"], rates,
+        check_nodes(args.nodes, args.topology, workload["ranks"],
+                    [r for r in rates if not (curves and r == "none")],
                     args.sweep_rate if sweep_ratios else None,
                     [parse_method(m) for m in args.methods])
     except ValueError as exc:
@@ -1115,7 +1176,7 @@ def main(argv=None):
         target_fraction=args.target_fraction or 0.98, tolerance=args.tolerance,
         timeout=args.timeout, seed=args.seed, seeds=args.seeds,
         prune_method=args.prune_method, cache_dir=args.cache_dir, out_dir=args.out_dir,
-        timing_steps=args.timing_steps,
+        timing_steps=args.timing_steps, curves=curves,
         json_path=args.json,
         plots=not args.no_plots, **workload)
     print(format_table(report))

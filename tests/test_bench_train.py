@@ -1,6 +1,8 @@
 """Tests for ``pacmpi bench train``: TTA/speedup arithmetic on hand-made records, a quick
 end-to-end run (unshaped, 2 ranks, tiny model) checking the JSON schema and plots, and the
 refusal of a rate whose calibration fails (skipped without root / network namespaces)."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -576,15 +578,24 @@ def test_merge_joins_seeds_and_refuses_duplicates_and_other_workloads():
         merge_reports([a, old])
 
 
+@pytest.fixture(scope="module")
+def seeds_run(tmp_path_factory, cache_dir):
+    """Seeds 0 and 1 of dense and TernGrad, unshaped: ``(report path, printed table)``."""
+    out = tmp_path_factory.mktemp("seeds")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--quick", "--methods", "dense-fp32,terngrad", "--no-sweep", "--seeds",
+                     "0,1", "--out-dir", str(out), "--cache-dir", str(cache_dir), *TINY,
+                     "--eval-every", "2"])
+    assert code == 0, printed.getvalue()
+    return out / "bench_train.json", printed.getvalue()
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
-def test_seeds_keep_every_run_and_report_median_and_range(tmp_path, cache_dir, capsys):
-    out = tmp_path / "results"
-    code = main(["--quick", "--methods", "dense-fp32,terngrad", "--no-sweep", "--seeds", "0,1",
-                 "--out-dir", str(out), "--cache-dir", str(cache_dir), *TINY])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    report = json.loads((out / "bench_train.json").read_text())
+def test_seeds_keep_every_run_and_report_median_and_range(seeds_run):
+    path, printed = seeds_run
+    report = json.loads(path.read_text())
     assert report["config"]["seeds"] == [0, 1] and set(report["seed_runs"]) == {"0", "1"}
     finals = {}
     for seed, rates in report["seed_runs"].items():
@@ -628,3 +639,50 @@ def test_bias_table_separates_error_and_says_whether_error_feedback_matters():
         runs["pt-t-noef"]["final_accuracy"] = 0.90  # negative control: clearly apart
     assert bias_table({"seed_runs": seed_runs})["pt-t"]["ef_changes_accuracy"] is True
     assert "no (tie)" in format_bias(table)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+def test_curves_from_an_earlier_report_and_timing_on_the_first_seed(seeds_run, tmp_path,
+                                                                      cache_dir, capsys):
+    """--curves: rate none is read, not run; the shaped rate is timed once (seed 0) and each
+    seed's own curve placed at that step time."""
+    curves_json, _ = seeds_run
+    curves = json.loads(curves_json.read_text())
+
+    def args(seeds="0,1"):
+        return ["--quick", "--methods", "dense", "--no-sweep", "--no-plots", "--seeds", seeds,
+                "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), *TINY,
+                "--eval-every", "2", "--rates", "none,100mbit", "--timing-steps", "4",
+                "--curves", str(curves_json)]
+
+    code = main([*args(), "--json", str(tmp_path / "timed.json")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads((tmp_path / "timed.json").read_text())
+    assert report["config"]["curves_from"] == curves["created"]
+    step_seconds = set()
+    for seed in ("0", "1"):
+        assert set(report["seed_runs"][seed]["none"]["runs"]) == {"dense"}  # the asked methods
+        unshaped = report["seed_runs"][seed]["none"]["runs"]["dense"]
+        source = curves["seed_runs"][seed]["none"]["runs"]["dense"]
+        assert unshaped["curve"] == source["curve"]  # read, not run
+        assert unshaped["state_sha256"] == source["state_sha256"]
+        shaped = report["seed_runs"][seed]["100mbit"]["runs"]["dense"]
+        assert shaped["seed"] == 0 and shaped["composed"]["timed_on_seed"] == 0
+        seconds = shaped["composed"]["step_seconds"]
+        step_seconds.add(seconds)
+        assert [p["test_accuracy"] for p in shaped["curve"]] == \
+            [p["test_accuracy"] for p in unshaped["curve"]]
+        assert [p["wall_seconds"] for p in shaped["curve"]] == \
+            pytest.approx([p["step"] * seconds for p in unshaped["curve"]])
+    assert len(step_seconds) == 1  # one timing run for both seeds
+    # each seed orders its own batches, so the curves (and the composed ones) differ
+    assert report["seed_runs"]["0"]["100mbit"]["runs"]["dense"]["curve"] != \
+        report["seed_runs"]["1"]["100mbit"]["runs"]["dense"]["curve"]
+    # another training, or a seed the report did not run: refused with what differs
+    with pytest.raises(ValueError, match=r"training differs in \['lr'\]"):
+        main([*args(), "--lr", "0.5"])
+    with pytest.raises(ValueError, match=r"no unshaped \(rate none\) runs of seeds \[2\]"):
+        main(args("0,2"))
