@@ -139,6 +139,18 @@ def _tokenize(tokenizer, texts):
                      return_tensors="pt")["input_ids"]
 
 
+def split_pairs(pairs, test_pairs=TEST_PAIRS):
+    """``(train, test)`` lists of ``pairs``: training = the pairs of groups not held out, test =
+    ``test_pairs`` of the held-out groups' pairs, drawn with a fixed generator (the same split
+    for every seed), in mining order."""
+    train = [p for p in pairs if not _held_out(p[0])]
+    held = [p for p in pairs if _held_out(p[0])]
+    if len(held) < test_pairs:
+        raise ValueError(f"only {len(held)} held-out pairs, fewer than test_pairs={test_pairs}")
+    pick = np.sort(np.random.default_rng(0).choice(len(held), test_pairs, replace=False))
+    return train, [held[i] for i in pick]
+
+
 def load_codesearch_split(model_name=MODEL_NAME, cache_dir=None, test_pairs=TEST_PAIRS):
     """The split as token ids (the mined pairs cached in ``cache_dir``, default
     :func:`pacmpi.experiments.data.cache_dir`): ``x`` of shape ``(N, 2, MAX_TOKENS)`` (query,
@@ -146,13 +158,7 @@ def load_codesearch_split(model_name=MODEL_NAME, cache_dir=None, test_pairs=TEST
     values)."""
     from transformers import AutoTokenizer
 
-    pairs = _cached_pairs(cache_dir or lab_cache_dir())
-    train = [p for p in pairs if not _held_out(p[0])]
-    held = [p for p in pairs if _held_out(p[0])]
-    if len(held) < test_pairs:
-        raise ValueError(f"only {len(held)} held-out pairs, fewer than test_pairs={test_pairs}")
-    pick = np.sort(np.random.default_rng(0).choice(len(held), test_pairs, replace=False))
-    test = [held[i] for i in pick]
+    train, test = split_pairs(_cached_pairs(cache_dir or lab_cache_dir()), test_pairs)
     tokenizer = AutoTokenizer.from_pretrained(pretrained_path(model_name))
 
     def tensors(subset):

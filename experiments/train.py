@@ -664,8 +664,9 @@ def fine_tune(config, collectives=None):
     # One local batch for GraSP's gradient statistics (rank 0's decides; magnitude ignores it).
     grasp_data = [next(iterate_minibatches(x_train, y_train, cfg.batch_size, seed=cfg.seed + 1,
                                            epoch=0))]
+    loss_fn = _loss_fn(cfg)
     prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives,
-                  "loss_fn": _loss_fn(cfg)}
+                  "loss_fn": loss_fn}
     milestones = parse_gradual(cfg.gradual) if cfg.gradual else None
     masks = prune(model, 0.0 if milestones else cfg.ratio, **prune_args)
     enforcer = MaskEnforcer(model, masks)
@@ -748,13 +749,13 @@ def fine_tune(config, collectives=None):
             xb, yb = batches[b]
             if schedule is not None:
                 new = schedule.step(model, step, data=grasp_data, collectives=collectives,
-                                    loss_fn=_loss_fn(cfg))
+                                    loss_fn=loss_fn)
                 if new is not None:
                     enforcer.update(new)
                     sync.set_masks(new)
             t0 = time.perf_counter()
             optimizer.zero_grad()
-            loss = _loss_fn(cfg)(forward(xb), yb)
+            loss = loss_fn(forward(xb), yb)
             loss.backward()
             if cfg.backend == "ddp":
                 enforcer.apply_to_grads()  # GSE for DDP's own methods (PacTrain's hook did it)

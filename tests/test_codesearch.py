@@ -55,11 +55,18 @@ def test_split_is_fixed_held_out_by_module_and_tokenized():
     assert len(data.x_test) == codesearch.TEST_PAIRS and len(data.x_train) > 4000
     assert torch.equal(codesearch.load_codesearch_split().x_test, data.x_test)  # seed-free
     pairs = codesearch._cached_pairs(cache_dir())
-    held = {group for group, _, _ in pairs if codesearch._held_out(group)}
-    assert held and len(held) < len({group for group, _, _ in pairs})
-    # no test code appears among the training codes
-    train_codes = {tuple(row.tolist()) for row in data.x_train[:, 1]}
-    assert not any(tuple(row.tolist()) in train_codes for row in data.x_test[:, 1])
+    train, test = codesearch.split_pairs(pairs)
+    assert (len(train), len(test)) == (len(data.x_train), len(data.x_test))
+    # whole modules are held out: no test pair's module trains, and the test modules are several
+    train_groups, test_groups = {p[0] for p in train}, {p[0] for p in test}
+    assert not train_groups & test_groups and len(test_groups) > 5
+    assert len(train) + sum(codesearch._held_out(p[0]) for p in pairs) == len(pairs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(codesearch.pretrained_path())
+    assert torch.equal(data.x_test[:, 1], codesearch._tokenize(tokenizer, [p[2] for p in test]))
+    # negative control: a split by pair (every fifth) rather than by module shares modules
+    assert {p[0] for p in pairs[::5]} & {p[0] for i, p in enumerate(pairs) if i % 5}
+    with pytest.raises(ValueError, match="fewer than test_pairs=100000"):
+        codesearch.split_pairs(pairs, 100000)
 
 
 def test_packaged_model_is_pretrained_and_loads_offline():
