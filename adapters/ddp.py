@@ -77,7 +77,7 @@ class PacTrainHookState:
     """
 
     def __init__(self, model, masks, *, process_group=None, quantize=None, average=True,
-                 stable_steps=1, verify_every=1, on_mismatch="raise", error_feedback=True,
+                 stable_steps=1, verify_every=1, on_mismatch="raise", error_feedback=False,
                  seed=0, abort_on_error=None, ternary_scale="tensor"):
         check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every,
                       ternary_scale=ternary_scale)

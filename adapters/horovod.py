@@ -96,7 +96,7 @@ class PacTrainCompressor:
     """
 
     def __init__(self, model_or_named_parameters, masks, *, quantize=None, average=False,
-                 stable_steps=1, verify_every=1, error_feedback=True, seed=0,
+                 stable_steps=1, verify_every=1, error_feedback=False, seed=0,
                  abort_on_error=None, ternary_scale="tensor"):
         check_options(quantize=quantize, on_mismatch="raise", verify_every=verify_every,
                       ternary_scale=ternary_scale)

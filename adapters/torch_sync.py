@@ -314,7 +314,7 @@ class PacTrainSync(_HookedSync):
         masked (GSE) whatever the method; ``None``: no masks, dense.
     method:
         ``"pactrain"`` (only surviving coordinates are sent), ``"pactrain-ternary"`` (those,
-        ternary-quantized with error feedback), ``"dense"`` (plain all-reduce of whole
+        ternary-quantized), ``"dense"`` (plain all-reduce of whole
         gradients) or ``"fp16"`` (whole gradients as float16); see :mod:`pacmpi.methods`.
     bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average, error_feedback,
     ternary_scale:
@@ -329,7 +329,7 @@ class PacTrainSync(_HookedSync):
 
     def __init__(self, model, *, comm=None, masks=None, method="pactrain",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
-                 stable_steps=1, seed=0, average=True, error_feedback=True, collectives=None,
+                 stable_steps=1, seed=0, average=True, error_feedback=False, collectives=None,
                  abort_on_error=None, ternary_scale="tensor"):
         try:
             spec = lookup_method(method, ALLREDUCE_METHODS)

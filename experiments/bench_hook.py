@@ -76,7 +76,8 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
     ddp = DDP(model, gradient_as_bucket_view=True)
     state, own = None, [0.0]
     if mode != "plain":
-        state = PacTrainHookState(model, _masks(model, density), quantize=MODES[mode])
+        state = PacTrainHookState(model, _masks(model, density), quantize=MODES[mode],
+                                  error_feedback=mode == "ternary")  # its largest case
 
         def hook(state, bucket):
             started = time.perf_counter()
@@ -197,7 +198,8 @@ def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
             if mode != "plain":
                 compression = PacTrainCompressor(model, _masks(model, density),
                                                  quantize=MODES[mode],
-                                                 average=mode == "ternary")
+                                                 average=mode == "ternary",
+                                                 error_feedback=mode == "ternary")
             optimizer = hvd.DistributedOptimizer(
                 torch.optim.SGD(model.parameters(), lr=0.0),
                 named_parameters=model.named_parameters(), compression=compression,

@@ -169,7 +169,7 @@ class StepEngine:
     """
 
     def __init__(self, collectives, buckets, *, layout=(), quantize=None, average=True,
-                 verify_every=1, on_mismatch="raise", stable_steps=1, error_feedback=True,
+                 verify_every=1, on_mismatch="raise", stable_steps=1, error_feedback=False,
                  seed=0, word_dtype="auto", ternary_scale="tensor"):
         check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every,
                       ternary_scale=ternary_scale)

@@ -66,9 +66,9 @@ def test_positions_are_int32_below_2_to_the_31():
     assert index_dtype(2 ** 31 + 1) == np.int64
 
 
-def _stepped(quantize, density, size=1001, steps=3):
+def _stepped(quantize, density, size=1001, steps=3, **options):
     mask = np.random.default_rng(2).random(size) < density
-    reducer = PacTrainReducer([mask], comm=MPI.COMM_SELF, quantize=quantize)
+    reducer = PacTrainReducer([mask], comm=MPI.COMM_SELF, quantize=quantize, **options)
     for step in range(steps):
         reducer.reduce([np.random.default_rng(step).standard_normal(size).astype(np.float32)])
     return reducer, int(mask.sum())
@@ -87,10 +87,12 @@ def test_memory_report_counts_the_live_arrays():
     assert fp16.memory_report() == dict(report, payloads=2 * kept)
     ternary, _ = _stepped("ternary", 0.5)
     report = ternary.memory_report()
-    # The survivors' residual, and the spare the next encode writes into.
-    assert report["residuals"] == 2 * 4 * kept and report["payloads"] == 0
+    assert report["residuals"] == 0 and report["payloads"] == 0  # error feedback is off
     codec = ternary.engine.codec
     assert report["words"] == codec.words_for(kept) * codec.word_dtype.itemsize > 0
+    # With error feedback: the survivors' residual, and the spare the next encode writes into.
+    with_feedback, _ = _stepped("ternary", 0.5, error_feedback=True)
+    assert with_feedback.memory_report() == dict(report, residuals=2 * 4 * kept)
 
 
 def test_buckets_reduced_one_after_another_share_one_payload_buffer():

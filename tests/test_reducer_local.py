@@ -114,16 +114,17 @@ def _bucket_masks(reducer, masks):
 
 def test_resume_at_another_world_size_warns_and_drops_residuals():
     mask = np.random.default_rng(5).random((6, 7)) < 0.5
-    reducer = local([mask, None], quantize="ternary", shapes=[(6, 7), (5,)],
+    reducer = local([mask, None], quantize="ternary", error_feedback=True, shapes=[(6, 7), (5,)],
                     dtypes=[np.float32] * 2)
     reducer.reduce(grads_for(np, 0))
     saved = reducer.state_dict()
     assert saved["residuals"], "ternary with error feedback keeps residuals"
-    same = local([mask, None], quantize="ternary", shapes=[(6, 7), (5,)], dtypes=[np.float32] * 2)
+    same = local([mask, None], quantize="ternary", error_feedback=True, shapes=[(6, 7), (5,)],
+                 dtypes=[np.float32] * 2)
     same.load_state_dict(saved)
     assert same.state_dict()["residuals"].keys() == saved["residuals"].keys()
     saved["world_size"] = 4
-    other = local([mask, None], quantize="ternary", shapes=[(6, 7), (5,)],
+    other = local([mask, None], quantize="ternary", error_feedback=True, shapes=[(6, 7), (5,)],
                   dtypes=[np.float32] * 2)
     with pytest.warns(RuntimeWarning, match="checkpoint was written on 4 ranks"):
         other.load_state_dict(saved)

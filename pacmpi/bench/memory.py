@@ -6,7 +6,8 @@ random mask. Reported per rank, each as a ratio of the gradient's bytes:
 
 - the arrays the reducer keeps between steps, read from the live arrays
   (:meth:`pacmpi.PacTrainReducer.memory_report`): survivor ``indices``, mask ``snapshots``,
-  ``payloads`` (packed survivors), ternary ``words``, error-feedback ``residuals``, ``fusion``
+  ``payloads`` (packed survivors), ternary ``words``, error-feedback ``residuals`` (ternary runs
+  with error feedback on, its largest case), ``fusion``
   buffers; ``kept`` is their sum;
 - ``peak``: the largest NumPy allocation above what existed before the reducer was built
   (tracemalloc), temporaries included;
@@ -108,8 +109,9 @@ def _measure(elements, density, mode, steps, comm):
     grads = [pristine.copy()]
     masks = [random_mask(elements, density, seed=1)]
     peak = ResidentPeak().start()
+    # Ternary with error feedback (off by default): the residuals are its largest cost.
     reducer = PacTrainReducer(masks, comm=comm, quantize=MODES[mode],
-                              bucket_bytes=elements * 4)
+                              error_feedback=MODES[mode] == "ternary", bucket_bytes=elements * 4)
     for _ in range(steps):
         np.copyto(grads[0], pristine)
         reducer.reduce(grads)

@@ -182,7 +182,7 @@ def test_ternary_float32():
     mask[0, 0] = True
     model = Scaled()
     ddp = DDP(model)
-    state = PacTrainHookState(ddp, {"w": mask}, quantize="ternary")
+    state = PacTrainHookState(ddp, {"w": mask}, quantize="ternary", error_feedback=True)
     ddp.register_comm_hook(state, pactrain_hook)
     ddp(grad).backward()
     residual = state.state_dict()["residuals"]["w"].view(40, 25)

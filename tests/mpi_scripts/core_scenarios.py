@@ -335,7 +335,7 @@ def test_mask_change():
 
 def test_state():
     masks = shared_masks()
-    original = PacTrainReducer(masks, quantize="ternary", average=True, seed=3,
+    original = PacTrainReducer(masks, quantize="ternary", error_feedback=True, average=True, seed=3,
                                shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
 
     def grads_at(step):
@@ -346,7 +346,7 @@ def test_state():
         original.reduce(grads_at(step))
     saved = original.state_dict()
     clone = pickle.loads(pickle.dumps(original))
-    restored = PacTrainReducer(masks, quantize="ternary", average=True, seed=3,
+    restored = PacTrainReducer(masks, quantize="ternary", error_feedback=True, average=True, seed=3,
                                shapes=SHAPES, dtypes=[np.float32] * len(SHAPES))
     restored.load_state_dict(saved)
     for step in range(3, 5):

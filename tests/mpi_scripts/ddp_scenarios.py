@@ -317,13 +317,14 @@ def resumed(how, steps, at, dtype, **kw):
 def test_checkpoint():
     """Resuming continues bit for bit (lossless and ternary), although the resumed DDP starts
     from its first-iteration buckets; a checkpoint that does not fit fails on every rank."""
-    for dtype, kw in ((torch.float64, {}), (torch.float32, {"quantize": "ternary"})):
+    for dtype, kw in ((torch.float64, {}),
+                      (torch.float32, {"quantize": "ternary", "error_feedback": True})):
         reference = train(6, model=Net(dtype=dtype), **kw)
         for how in ("state_dict", "pickle"):
             run = resumed(how, 6, 3, dtype, **kw)
             assert_same(run, reference, exact=True)
             assert run.state.stats["steps"] == 6, run.state.stats
-    fresh = resumed("fresh", 6, 3, torch.float32, quantize="ternary")
+    fresh = resumed("fresh", 6, 3, torch.float32, quantize="ternary", error_feedback=True)
     assert not all(torch.equal(g, w) for g, w in zip(fresh.grads[3], reference.grads[3]))
 
     saved = reference.state.state_dict()

@@ -283,7 +283,8 @@ def reducer_run(device, quantize, cuda_aware, blocking, hierarchical, stream):
     move = host_cupy.asarray if device else np.asarray
     masks = [None if m is None else move(m) for m in masks]
     reducer = PacTrainReducer(masks, collectives=make_transport(cuda_aware, hierarchical),
-                              quantize=quantize, bucket_bytes=256, abort_on_error=False)
+                              quantize=quantize, bucket_bytes=256, abort_on_error=False,
+                              error_feedback=quantize == "ternary")
     kernels.set_backend(DEVICE_KERNELS if device else None)
     results = []
     try:
@@ -352,7 +353,8 @@ def test_checkpoint_resumes_on_the_device():
     def reducer():
         mask = host_cupy.asarray(np.random.default_rng(1).random(shapes[0]) < 0.5)
         return PacTrainReducer([mask, None], collectives=transport(False), quantize="ternary",
-                               shapes=shapes, dtypes=["float32"] * 2, abort_on_error=False)
+                               error_feedback=True, shapes=shapes, dtypes=["float32"] * 2,
+                               abort_on_error=False)
 
     def step(run, number):
         data = np.random.default_rng(number + 10 * RANK)

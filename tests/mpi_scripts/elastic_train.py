@@ -61,7 +61,8 @@ class Job:
         self.built_masks = {k: v.clone() for k, v in self.masks.items()}
         self.enforcer = MaskEnforcer(self.module, self.masks)
         self.ddp = DDP(self.module, bucket_cap_mb=0.0005)  # several buckets once rebuilt
-        self.state = PacTrainHookState(self.ddp, self.masks, quantize=quantize)
+        self.state = PacTrainHookState(self.ddp, self.masks, quantize=quantize,
+                                       error_feedback=quantize is not None)
         self.ddp.register_comm_hook(self.state, pactrain_hook)
         self.opt = torch.optim.Adam(self.module.parameters(), lr=0.01)
         self.enforcer.attach(self.opt)

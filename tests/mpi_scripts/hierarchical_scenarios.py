@@ -152,8 +152,8 @@ def test_state():
     dtypes = [np.float32] * len(SHAPES)
 
     def make():
-        return hierarchical(masks, quantize="ternary", average=False, seed=3, shapes=SHAPES,
-                            dtypes=dtypes)
+        return hierarchical(masks, quantize="ternary", error_feedback=True, average=False,
+                            seed=3, shapes=SHAPES, dtypes=dtypes)
 
     def grads_at(step):
         rng = np.random.default_rng(100 + step + rank)

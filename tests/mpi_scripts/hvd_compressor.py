@@ -320,7 +320,7 @@ def test_bf16():
     assert torch.equal(as_tensor(summed), values * sum(range(1, hvd.size() + 1)))
 
 
-TERNARY = {"quantize": "ternary", "average": True, "op": hvd.Sum}
+TERNARY = {"quantize": "ternary", "average": True, "op": hvd.Sum, "error_feedback": True}
 CHECKPOINT_AT, RESUMED_STEPS = 4, 7
 
 

@@ -46,7 +46,7 @@ masks = {"weight": torch.rand(6, 12) < 0.5}
 with torch.no_grad():
     model.weight.copy_(torch.randint(-2, 3, (6, 12)) * masks["weight"])
     model.bias.copy_(torch.randint(-2, 3, (6,)))
-ternary = {"quantize": "ternary", "average": True}
+ternary = {"quantize": "ternary", "average": True, "error_feedback": True}
 compressor = PacTrainCompressor(model, masks, **({} if mode == "lossless" else ternary))
 optimizer = hvd.DistributedOptimizer(
     torch.optim.SGD(model.parameters(), lr=1 / 64), named_parameters=model.named_parameters(),

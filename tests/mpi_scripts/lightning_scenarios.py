@@ -138,17 +138,20 @@ def test_resume():
     pacmpi's state (residuals, step, RNG key) resumes to other weights."""
     for quantize in (None, "ternary"):
         whole = Fit()
-        fit(whole, PacTrainHookState(whole, masks(), quantize=quantize))
+        fit(whole, PacTrainHookState(whole, masks(), quantize=quantize,
+                                     error_feedback=quantize is not None))
         folder = WORKDIR / f"resume-{quantize}"
         first = Fit()
-        fit(first, PacTrainHookState(first, masks(), quantize=quantize), epochs=1,
+        fit(first, PacTrainHookState(first, masks(), quantize=quantize,
+                                     error_feedback=quantize is not None), epochs=1,
             checkpoints=folder)
         saved = torch.load(folder / "pac.ckpt", weights_only=True)  # Lightning's default load
         pac = saved["callbacks"]["PacTrainCallback"]
         assert pac["step"] == 4 and len(pac["residuals"]) == SIZE, pac
         assert all(len(mine) == (2 if quantize else 0) for mine in pac["residuals"]), pac
         resumed = Fit()
-        state = PacTrainHookState(resumed, masks(), quantize=quantize)
+        state = PacTrainHookState(resumed, masks(), quantize=quantize,
+                                  error_feedback=quantize is not None)
         fit(resumed, state, ckpt_path=folder / "pac.ckpt")
         assert state.step == 8 and state.stats["steps"] == 8, state.stats
         for got, want in zip(weights(resumed), weights(whole), strict=True):
@@ -159,7 +162,8 @@ def test_resume():
         torch.save(saved, folder / "bare.ckpt")
     dist.barrier()
     bare = Fit()
-    fit(bare, PacTrainHookState(bare, masks(), quantize="ternary"), ckpt_path=folder / "bare.ckpt")
+    fit(bare, PacTrainHookState(bare, masks(), quantize="ternary", error_feedback=True),
+        ckpt_path=folder / "bare.ckpt")
     assert not all(map(torch.equal, weights(bare), weights(whole)))
 
 
@@ -174,7 +178,7 @@ def test_resume_at_another_world_size():
     for ranks, want in ((old, {name: ((old[0][name].double() + old[1][name].double()
                                        + old[2][name].double()) / 3).float() for name in old[0]}),
                         (pac["residuals"], pac["residuals"][dist.get_rank()])):
-        state = PacTrainHookState(Fit(), masks(), quantize="ternary")
+        state = PacTrainHookState(Fit(), masks(), quantize="ternary", error_feedback=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             PacTrainCallback(state).load_state_dict(dict(pac, residuals=ranks))

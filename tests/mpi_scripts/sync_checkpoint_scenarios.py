@@ -48,7 +48,8 @@ def setup(method, seed):
     masks = prune(model, 0.6, comm=comm)
     enforcer = MaskEnforcer(model, masks)
     sync = make_sync(model, method, masks=masks, comm=comm.Dup(),
-                     **({} if method == "topk" else {"bucket_bytes": 2048}))
+                     **({} if method == "topk" else {"bucket_bytes": 2048}),
+                     **({"error_feedback": True} if method == "pactrain-ternary" else {}))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sync.attach(opt)
     enforcer.attach(opt)

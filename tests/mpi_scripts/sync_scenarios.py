@@ -237,7 +237,7 @@ def test_bf16_reducer():
     assert {str(b.dtype) for b in reducer.layout.buckets} == {"bfloat16", "float32"}
     local = [grads[0].masked_fill(~keep, 0), *grads[1:]]
     assert_summed([as_tensor(a) for a in arrays], local, "reducer")
-    ternary = PacTrainReducer(masks, quantize="ternary")
+    ternary = PacTrainReducer(masks, quantize="ternary", error_feedback=True)
     ternary.reduce([as_array(g.clone()) for g in grads])
     residuals = ternary.state_dict()["residuals"]
     assert residuals and all(r.dtype == np.float32 for r in residuals.values()), residuals
