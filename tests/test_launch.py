@@ -682,13 +682,18 @@ def test_failed_rank_exit_code_is_named(capsys):
             in capsys.readouterr().err)
 
 
+# Probes that several ranks run print their line with one write(): ranks that share a pipe
+# (torchrun's workers) would otherwise interleave print's separate writes of its words.
+SAY = "import os; say = lambda *w: os.write(1, (' '.join(map(str, w)) + '\\n').encode()); "
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tests do not run in a venv")
 def test_ranks_run_the_launching_env_as_if_activated():
     # `pacmpi-run -- python ...` from a shell without the venv: the ranks' `python` is the
     # venv's (its bin is first on their PATH), not the first python on the user's PATH.
-    probe = "import os, sys; print('EXE', sys.executable, os.environ['PATH'].split(os.pathsep)[0])"
+    probe = SAY + "import sys; say('EXE', sys.executable, os.environ['PATH'].split(os.pathsep)[0])"
     result = run_command(["python", "-c", probe], 2, oversubscribe=True, capture=True,
                          echo=False, timeout=45)
     assert result.returncode == 0, result.stderr
@@ -776,8 +781,8 @@ def test_torchrun_killed_rank_is_named():
 @pytest.mark.timeout(90)
 def test_link_run_calibrates_and_runs_inside_the_namespace():
     before = netns_names()
-    probe = ("import subprocess; "
-             "print('NS', subprocess.check_output(['ip', 'netns', 'identify']).decode().strip())")
+    probe = SAY + ("import subprocess; say('NS', "
+                   "subprocess.check_output(['ip', 'netns', 'identify']).decode().strip())")
     result = run_command([PY, "-c", probe], 2, link="100mbit", capture=True, echo=False,
                          timeout=60)
     assert result.returncode == 0, result.stderr
@@ -809,8 +814,8 @@ def test_the_job_on_the_link_runs_the_ring_unless_told_otherwise():
         assert [(line["algorithm"], line["exact"]) for line in lines] == [(expected, True)] * 2
 
 
-ENV_PROBE = ("import os; print('PIN', os.environ.get('OMPI_MCA_coll_tuned_use_dynamic_rules'), "
-             "os.environ.get('OMPI_MCA_coll_tuned_allreduce_algorithm'), flush=True)")
+ENV_PROBE = SAY + ("say('PIN', os.environ.get('OMPI_MCA_coll_tuned_use_dynamic_rules'), "
+                   "os.environ.get('OMPI_MCA_coll_tuned_allreduce_algorithm'))")
 
 
 @needs_testbed
@@ -848,8 +853,8 @@ def test_namespace_removed_after_exception_and_refused_calibration():
     assert testbed.name not in netns_names()
 
 
-GLOO_PROBE = """
-import os, subprocess, time
+GLOO_PROBE = SAY + """
+import subprocess, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 buf = torch.ones(2**20)  # 4 MiB: a 2-rank ring moves 2 x 4 MiB over the link, 0.67 s at 100 Mbit/s
@@ -858,8 +863,8 @@ started = time.perf_counter()
 dist.all_reduce(buf)
 seconds = time.perf_counter() - started
 ns = subprocess.check_output(["ip", "netns", "identify"]).decode().strip()
-print(f"GLOO rank {dist.get_rank()} {ns} {os.environ['GLOO_SOCKET_IFNAME']} {seconds:.3f} "
-      f"{buf[0].item():.0f}", flush=True)
+say(f"GLOO rank {dist.get_rank()} {ns} {os.environ['GLOO_SOCKET_IFNAME']} {seconds:.3f} "
+    f"{buf[0].item():.0f}")
 """
 
 
