@@ -150,7 +150,7 @@ def test_readme_headline_table_is_the_results_json():
         if line.startswith("| ") and not line.startswith("| method"))}
     assert set(rows) == set(HEADLINE)
     for label, key in HEADLINE.items():
-        accuracy, step100, tta100, x100, step1g, tta1g, x1g, nbytes, _ = rows[label]
+        accuracy, step100, tta100, x100, step1g, tta1g, x1g, nbytes, ties = rows[label]
         slow, fast = repeats["100mbit"][key], repeats["1gbit"][key]
         assert len(slow["seeds"]) >= 3, label
         assert accuracy == _median_range(slow["final_accuracy"], ".3f"), label
@@ -162,6 +162,8 @@ def test_readme_headline_table_is_the_results_json():
             assert x == (_median_range(speedup, ".2f") if speedup["n"] else "-"), label
         # bytes over the whole unshaped epoch: the 6 timed steps over-weight the warm-up
         assert nbytes == f"{repeats['none'][key]['bytes_per_step']['median']:,.0f}", label
+        assert ties == ", ".join(other for other, twin in HEADLINE.items()
+                                 if twin in slow["tta_ties"]), label
 
 
 def test_every_marked_snippet_is_run_by_a_test():
