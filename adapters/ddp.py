@@ -211,8 +211,11 @@ class PacTrainHookState:
                    for p in payloads if p.numel()]
 
         def finish(done):  # runs on the transport's thread: no collectives here
+            # wait(), not value(): it re-raises a failed all-reduce and, on CUDA, makes this
+            # thread's current stream wait for the collective's kernels (collect_all's future
+            # carries no CUDA events; read unsynchronized, a payload can still be in flight).
             for future in done.value():
-                future.value()  # re-raises a failed all-reduce
+                future.wait()
             with _on_stream(buffer), self._lock:
                 for wire, ctx, view in parts:
                     self.engine.decode(wire, ctx, view)
@@ -221,6 +224,8 @@ class PacTrainHookState:
                     if self._saw_last and not self._open:
                         self.engine.end_step()
                         self._layout, self._current, self._saw_last = self._current, None, False
+            if buffer.is_cuda:  # the future DDP waits on carries no CUDA events either
+                torch.cuda.current_stream(buffer.device).synchronize()
             return buffer
 
         return torch.futures.collect_all(futures).then(finish)

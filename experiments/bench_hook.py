@@ -18,6 +18,12 @@ with the given numbers of parameter tensors at about the same parameter count (t
 shrinks as the layers multiply), weights pruned 0.5; plain DDP, the hook lossless and ternary;
 the mean step (forward, backward, the all-reduces) over ``--steps`` after warm-up steps, the
 slowest rank's, and pacmpi's own time in it (the hook's calls and its decodes).
+
+``--device cuda`` (DDP only, NCCL, a GPU per rank): the same on CUDA tensors. ``peak`` is then
+the device memory above plain DDP's run of the same model: torch's peak allocation
+(``torch.cuda.max_memory_allocated``) plus what CuPy's memory pool holds at the end (it keeps
+the blocks it ever used until freed, so that is its high-water mark); ``rss`` stays the host's.
+scripts/gpu_check.sh runs it.
 """
 import argparse
 import gc
@@ -38,13 +44,14 @@ __all__ = ["run_memory", "run_time", "main"]
 MODES = {"plain": "plain", "lossless": None, "ternary": "ternary"}
 
 
-def _stack(layers, width, seed=0):
+def _stack(layers, width, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
 
 
 def _masks(model, density):
     return {name: torch.from_numpy(random_mask(p.numel(), density, seed=i).reshape(p.shape))
+            .to(p.device)
             for i, (name, p) in enumerate(model.named_parameters()) if name.endswith("weight")}
 
 
@@ -52,7 +59,7 @@ def _grad_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _init_ddp():
+def _init_ddp(device="cpu"):
     import torch.distributed as dist
 
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:  # under mpirun
@@ -61,8 +68,37 @@ def _init_ddp():
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     return dist
+
+
+def _comm_device(dist):
+    """Where the process group's tensors must live: NCCL takes CUDA tensors only."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+class DevicePeak:
+    """:class:`ResidentPeak` on a GPU: ``peak`` is torch's peak allocation plus the growth of
+    CuPy's memory pool (pacmpi's arrays on CUDA) above :meth:`start`; ``rss`` the host's."""
+
+    def start(self):
+        import cupy
+
+        self._pool = cupy.get_default_memory_pool()
+        torch.cuda.synchronize()
+        self._pool.free_all_blocks()
+        torch.cuda.reset_peak_memory_stats()
+        self._torch, self._cupy = torch.cuda.memory_allocated(), self._pool.total_bytes()
+        self._host = ResidentPeak().start()
+        return self
+
+    def stop(self):
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - self._torch
+                + self._pool.total_bytes() - self._cupy)
+        return {"peak": peak, "rss": self._host.stop()["rss"]}
 
 
 # ---------------------------------------------------------------- DDP
@@ -87,8 +123,9 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
                 own[0] += time.perf_counter() - started
 
         ddp.register_comm_hook(state, hook)
-    width = model[0].in_features
+    width, device = model[0].in_features, model[0].weight.device
     inputs = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    inputs = inputs.to(device)
     warmup = 3 if timed else 0
     seconds = []
     for i in range(warmup + steps):
@@ -96,6 +133,8 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
         own_before = own[0] + (state.stats["unpack_seconds"] if state and state.engine else 0)
         started = time.perf_counter()
         ddp(inputs).square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         own_after = own[0] + (state.stats["unpack_seconds"] if state else 0)
         if i >= warmup:
@@ -106,16 +145,16 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
 
 
 def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
-               modes=("lossless", "ternary"), steps=4):
+               modes=("lossless", "ternary"), steps=4, device="cpu"):
     kernels.warm_up([np.float32])  # compile (or load) the kernels: not a step's memory
     for mode in ("plain",) + tuple(modes):  # warm torch's allocator
-        _ddp_run(dist, _stack(2, 64), 0.5, mode, 2)
+        _ddp_run(dist, _stack(2, 64, device=device), 0.5, mode, 2)
     rows = []
     for density in densities:
         baseline = None
         for mode in ("plain",) + tuple(modes):
-            model = _stack(layers, width)
-            peak = ResidentPeak().start()
+            model = _stack(layers, width, device=device)
+            peak = (DevicePeak() if device == "cuda" else ResidentPeak()).start()
             engine, _, _ = _ddp_run(dist, model, density, mode, steps)
             peaks = peak.stop()
             report = engine.memory_report() if engine else {}
@@ -123,7 +162,9 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
             if mode == "plain":
                 baseline = peaks
             else:
-                peaks = {"peak": peaks["peak"], "rss": None if peaks["rss"] is None else
+                # On a GPU the peak counts the model and DDP's buckets too: above plain DDP's.
+                peaks = {"peak": peaks["peak"] - (baseline["peak"] if device == "cuda" else 0),
+                         "rss": None if peaks["rss"] is None else
                          peaks["rss"] - baseline["rss"]}
                 rows.append(_max_over_ranks(dist, ratio_row(
                     report, _grad_bytes(model), peaks, frontend="ddp", mode=mode,
@@ -135,14 +176,14 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
 
 def _max_over_ranks(dist, row):
     keys = [k for k in COMPONENTS + ("kept", "peak", "rss") if row.get(k) is not None]
-    values = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+    values = torch.tensor([row[k] for k in keys], dtype=torch.float64, device=_comm_device(dist))
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     row.update(zip(keys, values.tolist()))
     return row
 
 
 def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossless",
-                                                                   "ternary")):
+                                                                   "ternary"), device="cpu"):
     """Rows per (tensors, mode): ms per step and pacmpi's ms in it (slowest rank's). The
     first count uses ``Linear(width, width)``; the others the width giving about the same
     parameter count."""
@@ -154,9 +195,9 @@ def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossl
         layers = count // 2
         w = width if count == tensors[0] else _width_for(params // layers)
         for mode in modes:
-            model = _stack(layers, w)
+            model = _stack(layers, w, device=device)
             _, step, mine = _ddp_run(dist, model, 0.5, mode, steps, timed=True)
-            times = torch.tensor([step, mine], dtype=torch.float64)
+            times = torch.tensor([step, mine], dtype=torch.float64, device=_comm_device(dist))
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             rows.append({"tensors": count, "layers": layers, "width": w,
                          "params": sum(p.numel() for p in model.parameters()), "mode": mode,
@@ -241,6 +282,8 @@ def build_parser(parser=None):
     parser.add_argument("--time-width", type=int, default=64,
                         help="time part: the width at the first tensor count")
     parser.add_argument("--steps", type=int, default=20, help="time part: timed steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="DDP on CPU (gloo) or on CUDA tensors (NCCL, a GPU per rank)")
     parser.add_argument("--json", default=None, help="write the report here (rank 0)")
     return parser
 
@@ -250,17 +293,18 @@ def main(argv=None):
     densities = [float(d) for d in args.densities.split(",")]
     report, rank, size = {}, 0, 1
     if args.frontend == "horovod":
-        if args.part == "time":
-            raise SystemExit("pacmpi bench hook: --part time is for DDP")
+        if args.part == "time" or args.device != "cpu":
+            raise SystemExit("pacmpi bench hook: --part time and --device cuda are for DDP")
         report["memory"], rank, size = run_memory_horovod(args.layers, args.width, densities)
     else:
-        dist = _init_ddp()
+        dist = _init_ddp(args.device)
         rank, size = dist.get_rank(), dist.get_world_size()
         if args.part in ("memory", "all"):
-            report["memory"] = run_memory(dist, args.layers, args.width, densities)
+            report["memory"] = run_memory(dist, args.layers, args.width, densities,
+                                          device=args.device)
         if args.part in ("time", "all"):
             report["time"] = run_time(dist, [int(t) for t in args.tensors.split(",")],
-                                      args.time_width, args.steps)
+                                      args.time_width, args.steps, device=args.device)
     if rank == 0:
         if "memory" in report:
             print(f"{args.frontend} memory per rank, ratio of the gradient bytes "
@@ -268,9 +312,11 @@ def main(argv=None):
                   f"above the run without pacmpi)")
             print(format_memory_table(report["memory"]))
         if "time" in report:
-            print(f"DDP step time, gloo, {size} ranks, 1 thread per rank, weights pruned 0.5, "
-                  f"mean of {args.steps} steps")
+            print(f"DDP step time, {'NCCL on CUDA' if args.device == 'cuda' else 'gloo'}, "
+                  f"{size} ranks, 1 thread per rank, weights pruned 0.5, mean of {args.steps} "
+                  f"steps")
             print(format_time_table(report["time"]))
         if args.json:
-            harness.write_report(args.json, dict(report, ranks=size), "pacmpi bench hook")
+            harness.write_report(args.json, dict(report, ranks=size, device=args.device),
+                                 "pacmpi bench hook")
     return 0

@@ -211,7 +211,12 @@ class MPICollectives(Collectives):
         self.comm = MPI.COMM_WORLD.Dup() if comm is None else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.cuda_aware = bool(cuda_support(MPI)[0]) if cuda_aware == "auto" else cuda_aware
+        supported, query = cuda_support(MPI)
+        if cuda_aware is True and supported is False:
+            # It would read device pointers as host memory: a segmentation fault, or worse.
+            raise ValueError(f"cuda_aware=True, but the MPI library has no CUDA support ({query} "
+                             f"says so); use cuda_aware='auto' or False (host staging)")
+        self.cuda_aware = bool(supported) if cuda_aware == "auto" else cuda_aware
         self._watchdog = watchdog
 
     def __getstate__(self):

@@ -40,7 +40,35 @@ def main(out):
             verdict = "met" if share >= goal else "MISSED"
             print(f"  {what:<24} density {density:<4} {share:>5.0%} of copyto "
                   f"(goal {goal:.0%}: {verdict})")
+    hook = out / "hook_cuda.json"
+    if hook.exists():
+        hook_tables(json.loads(hook.read_text()))
     return 0
+
+
+def hook_tables(report):
+    """``pacmpi bench hook --device cuda``: memory above plain DDP and the step time at 40 and
+    400 tensors, with issue 23's targets (pacmpi's own time at 400 tensors <= 1.2x at 40; the
+    hook's step <= 1.25x plain DDP's at 400)."""
+    from pacmpi.bench.memory import format_table
+    from pacmpi.experiments.bench_hook import format_time_table
+
+    if report.get("memory"):
+        print(f"\nDDP hook on CUDA, {report['ranks']} rank(s): pacmpi's memory as a ratio of the "
+              f"gradient bytes (peak: device memory above plain DDP's)")
+        print(format_table(report["memory"]))
+    rows = report.get("time") or []
+    if rows:
+        print("\nDDP step time on CUDA")
+        print(format_time_table(rows))
+        at = {(r["tensors"], r["mode"]): r for r in rows}
+        few, many = min(r["tensors"] for r in rows), max(r["tensors"] for r in rows)
+        for mode in ("lossless", "ternary"):
+            if (few, mode) in at and (many, mode) in at and (many, "plain") in at:
+                own = at[many, mode]["pacmpi_ms"] / at[few, mode]["pacmpi_ms"]
+                step = at[many, mode]["step_ms"] / at[many, "plain"]["step_ms"]
+                print(f"  {mode:<9} own time {many}/{few} tensors {own:.2f}x (goal <= 1.2), "
+                      f"step at {many} tensors {step:.2f}x plain DDP (goal <= 1.25)")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,27 @@ def test_a_warning_fails_the_compile(tmp_path, injected, name, message):
     """Negative control: one warning from each stage makes the compile fail."""
     with pytest.raises(AssertionError, match=message):
         compile_cubin(tmp_path, instantiated(injected, [name]), ARCHS[-1])
+
+
+def ftz_instructions(tmp_path, code):
+    """The PTX instructions with ``.ftz`` when ``code`` is compiled with ``-ftz=true``, as CuPy
+    compiles every module (it appends the option to any given)."""
+    (tmp_path / "ftz.cu").write_text(code)
+    done = subprocess.run([NVCC, "-ptx", *gpu.OPTIONS, "-ftz=true", "-arch=sm_90", "-o",
+                           str(tmp_path / "ftz.ptx"), str(tmp_path / "ftz.cu")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "ftz.ptx").read_text().splitlines()
+    return {op for op in (line.split()[0] for line in lines if line.strip()) if ".ftz" in op}
+
+
+def test_float32_arithmetic_keeps_subnormals_under_cupys_ftz(tmp_path):
+    """Under CuPy's -ftz=true every float32 operation of the kernels keeps subnormals as the
+    NumPy reference does: the only .ftz instruction left is the NaN test (x != x), which
+    flushing cannot change. Negative control: a plain division and comparison get .ftz."""
+    found = ftz_instructions(tmp_path, instantiated(gpu.SOURCE, list(gpu.expressions())))
+    assert found <= {"setp.nan.ftz.f32"}, found
+    plain = ("__global__ void plain(float* p) { "
+             "p[0] = p[1] / p[2]; p[3] = p[4] < p[5] ? 1.0f : 0.0f; }")
+    assert {"div.rn.ftz.f32", "setp.lt.ftz.f32"} <= ftz_instructions(
+        tmp_path, instantiated(plain, ["plain"]))

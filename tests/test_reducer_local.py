@@ -77,6 +77,23 @@ def test_bad_arguments_name_the_bad_value():
         local([None], stable_steps=-1)
     with pytest.raises(ValueError, match="cuda_aware must be 'auto', True or False"):
         MPICollectives(comm=MPI.COMM_SELF, cuda_aware="yes")
+
+
+@pytest.mark.parametrize("library, forced_ok", [(False, False), (None, True), (True, True)])
+def test_cuda_aware_true_is_refused_where_the_library_says_no(monkeypatch, library, forced_ok):
+    """MPI handed device pointers by a library without CUDA support reads them as host
+    memory (a segmentation fault on a GPU): cuda_aware=True is refused where the library says
+    no, kept where it says yes or cannot say; "auto" follows the answer."""
+    from pacmpi import collectives
+    monkeypatch.setattr(collectives, "cuda_support", lambda MPI: (library, "the query"))
+    assert MPICollectives(comm=MPI.COMM_SELF, cuda_aware="auto").cuda_aware is bool(library)
+    assert MPICollectives(comm=MPI.COMM_SELF, cuda_aware=False).cuda_aware is False
+    if forced_ok:
+        assert MPICollectives(comm=MPI.COMM_SELF, cuda_aware=True).cuda_aware is True
+    else:
+        with pytest.raises(ValueError, match=r"cuda_aware=True, but the MPI library has no "
+                                             r"CUDA support \(the query says so\)"):
+            MPICollectives(comm=MPI.COMM_SELF, cuda_aware=True)
     reducer = local([None])
     with pytest.raises(RankInputError, match="gradient 0: expected a numpy.ndarray"):
         reducer.reduce([np.float32(1.0)])

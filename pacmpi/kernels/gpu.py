@@ -8,9 +8,13 @@ a ternary word, so a word's digits never cross threads. The arithmetic follows
 bfloat16 rounded bit by bit as NumPy and ml_dtypes do), so every route matches the reference bit
 for bit. The kernels take pointers and the array's dtype only selects the instantiation, so
 16-bit floats are stored as 16-bit structs: bfloat16 arrays (``ml_dtypes.bfloat16``) need
-CuPy >= 14, which accepts that dtype. One exception to "bit for bit": a GPU's single-precision
-arithmetic with a NaN operand returns the canonical NaN 0x7fffffff, where x86 carries the
-operand's payload and sign, so a NaN stays a NaN in the same place but its bits may differ.
+CuPy >= 14, which accepts that dtype. CuPy compiles every module with ``-ftz=true`` (it appends
+it to any options), which would flush float32 subnormals to zero in the compiler's own
+instructions: the float32 arithmetic here is written as PTX without ``.ftz``
+(tests/test_cuda_compile.py checks the PTX). One exception to "bit for bit": a GPU's
+single-precision arithmetic with a NaN operand returns the canonical NaN 0x7fffffff, where x86
+carries the operand's payload and sign, so a NaN stays a NaN in the same place but its bits may
+differ.
 """
 import functools
 import sys
@@ -31,14 +35,56 @@ typedef long long i64;
 struct half_bits { unsigned short bits; };  // float16
 struct bf16_bits { unsigned short bits; };  // bfloat16: the high half of a float32
 
+// float32 operations that keep subnormals, as NumPy does, whatever -ftz CuPy compiles with:
+// PTX without .ftz on the device (rounded to nearest, never contracted into an FMA); plain
+// operators where this source is built for the host (the tests' g++ route).
+#ifdef __CUDA_ARCH__
+#define F32_OP(name, instruction) \
+    __device__ __forceinline__ float name(float a, float b) { \
+        float r; asm(instruction " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+F32_OP(add_rn, "add.rn.f32")
+F32_OP(sub_rn, "sub.rn.f32")
+F32_OP(mul_rn, "mul.rn.f32")
+F32_OP(div_rn, "div.rn.f32")
+__device__ __forceinline__ bool less(float a, float b) {
+    u32 r;
+    asm("{\n\t.reg .pred p;\n\tsetp.lt.f32 p, %1, %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(r) : "f"(a), "f"(b));
+    return r != 0;
+}
+__device__ __forceinline__ float narrow(double x) {
+    float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x)); return r;
+}
+#else
+__device__ __forceinline__ float add_rn(float a, float b) { return a + b; }
+__device__ __forceinline__ float sub_rn(float a, float b) { return a - b; }
+__device__ __forceinline__ float mul_rn(float a, float b) { return a * b; }
+__device__ __forceinline__ float div_rn(float a, float b) { return a / b; }
+__device__ __forceinline__ bool less(float a, float b) { return a < b; }
+__device__ __forceinline__ float narrow(double x) { return (float)x; }
+#endif
+// float64 has no flush-to-zero mode: its operators keep subnormals.
+__device__ __forceinline__ double add_rn(double a, double b) { return a + b; }
+__device__ __forceinline__ double sub_rn(double a, double b) { return a - b; }
+__device__ __forceinline__ double mul_rn(double a, double b) { return a * b; }
+__device__ __forceinline__ double div_rn(double a, double b) { return a / b; }
+__device__ __forceinline__ float narrow(float x) { return x; }
+// |x| and the sign from the bits (abs.f32 and comparisons would flush subnormals).
+__device__ __forceinline__ float magnitude(float x) {
+    return __uint_as_float(__float_as_uint(x) & 0x7FFFFFFFu);
+}
+__device__ __forceinline__ double magnitude(double x) { return fabs(x); }
+__device__ __forceinline__ bool negative(float x) { return (__float_as_uint(x) >> 31) != 0; }
+__device__ __forceinline__ bool negative(double x) { return __double_as_longlong(x) < 0; }
+
 __device__ __forceinline__ float to_float(half_bits x) {
     u32 h = x.bits;
     u32 sign = (h & 0x8000u) << 16;
     u32 exponent = h & 0x7C00u;
     if (exponent == 0x7C00u) return __uint_as_float(sign | 0x7F800000u | ((h & 0x3FFu) << 13));
     if (exponent != 0) return __uint_as_float(sign | (((h & 0x7FFFu) << 13) + (112u << 23)));
-    float magnitude = (float)(h & 0x3FFu) * 5.9604644775390625e-08f;  // subnormal: m * 2**-24
-    return sign ? -magnitude : magnitude;
+    float magnitude = mul_rn((float)(h & 0x3FFu), 5.9604644775390625e-08f);  // m * 2**-24
+    return __uint_as_float(sign | __float_as_uint(magnitude));
 }
 __device__ __forceinline__ float to_float(bf16_bits x) {
     return __uint_as_float((u32)x.bits << 16);
@@ -88,15 +134,15 @@ __device__ __forceinline__ void store(double* p, double v) { *p = v; }
 
 // x / d in x's own dtype, as NumPy: 16-bit floats divide in float32 and round back.
 __device__ __forceinline__ half_bits divided(half_bits x, float d) {
-    return to_half(to_float(x) / d);
+    return to_half(div_rn(to_float(x), d));
 }
 __device__ __forceinline__ bf16_bits divided(bf16_bits x, float d) {
-    return to_bf16(to_float(x) / d);
+    return to_bf16(div_rn(to_float(x), d));
 }
-__device__ __forceinline__ float divided(float x, float d) { return x / d; }
+__device__ __forceinline__ float divided(float x, float d) { return div_rn(x, d); }
 __device__ __forceinline__ double divided(double x, double d) { return x / d; }
 
-__device__ __forceinline__ u64 magnitude_bits(float v) { return __float_as_uint(fabsf(v)); }
+__device__ __forceinline__ u64 magnitude_bits(float v) { return __float_as_uint(magnitude(v)); }
 __device__ __forceinline__ u64 magnitude_bits(double v) {
     return (u64)__double_as_longlong(fabs(v));
 }
@@ -109,7 +155,7 @@ __device__ __forceinline__ u32 lowbias32(u32 x) {
 // Number j of pacmpi.hashing.uniform for the key key_hi:key_lo.
 __device__ __forceinline__ float uniform(i64 j, u32 key_lo, u32 key_hi) {
     u32 bits = lowbias32(lowbias32((u32)j + key_lo) ^ key_hi);
-    return (float)(bits >> 8) * 5.9604644775390625e-08f;
+    return mul_rn((float)(bits >> 8), 5.9604644775390625e-08f);
 }
 
 #define GRID_STRIDE(i, n) \
@@ -133,7 +179,7 @@ __global__ void absmax(const T* flat, const I* indices, int packed, const C* res
     u64 top = 0;
     GRID_STRIDE(j, count) {
         C v = to_float(flat[packed ? indices[j] : j]);
-        if (add_residual) v += residual[j];
+        if (add_residual) v = add_rn(v, residual[j]);
         top = max(top, magnitude_bits(v));
     }
     for (int offset = 16; offset > 0; offset >>= 1)
@@ -152,11 +198,11 @@ __global__ void ternary_encode(const T* flat, const I* indices, int packed,
         i64 stop = min(w * k + k, count);
         for (i64 j = w * k; j < stop; ++j) {
             C v = to_float(flat[packed ? indices[j] : j]);
-            if (add_residual) v += residual_in[j];
+            if (add_residual) v = add_rn(v, residual_in[j]);
             int q = 0;
-            if (positive && uniform(j, key_lo, key_hi) < (float)fabs(v) / scale32)
-                q = v > 0 ? 1 : -1;
-            if (keep_residual) residual_out[j] = v - (C)q * scale;
+            float share = div_rn(narrow(magnitude(v)), scale32);
+            if (positive && less(uniform(j, key_lo, key_hi), share)) q = negative(v) ? -1 : 1;
+            if (keep_residual) residual_out[j] = sub_rn(v, mul_rn((C)q, scale));
             word += (u64)(q + 1) * powers[j - w * k];
         }
         words[w] = (W)word;
@@ -177,8 +223,8 @@ __global__ void ternary_decode(const W* words, i64 count, int k, u64 base, const
             u64 below = above;
             u64 t = __umul64hi(magics[j - w * k], word);
             above = (t + ((word - t) >> 1)) >> shifts[j - w * k];
-            C value = (C)((i64)(below - above * base) - ranks) * scale;
-            if (divide) value = value / divisor;
+            C value = mul_rn((C)((i64)(below - above * base) - ranks), scale);
+            if (divide) value = div_rn(value, divisor);
             store(flat + (packed ? indices[j] : j), value);
         }
     }

@@ -40,6 +40,10 @@ HALF = {dtype.name for dtype in half_dtypes()}
 # The kernels' route on device arrays: gpu.py's CUDA source compiled for the host where a C++
 # compiler exists, else the NumPy reference (which runs on any array module).
 DEVICE_KERNELS = "auto" if host_cuda.compiler() else "numpy"
+# The recording communicator stands in for a CUDA-aware library (the stand-in's "device" arrays
+# are host memory, so MPI reads them safely): the library's own answer, no CUDA support here,
+# would make cuda_aware=True refuse. "Cannot say" keeps cuda_aware="auto" at host staging.
+collectives_module.cuda_support = lambda MPI: (None, "the tests' stand-in for a GPU")
 
 
 class RecordingComm(MPI.Intracomm):
