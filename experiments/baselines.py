@@ -26,6 +26,7 @@ import torch
 
 from pacmpi import MPICollectives
 from pacmpi.adapters.torch_sync import PacTrainSync, _HookedSync
+from pacmpi.costmodel import topk_count
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.methods import lookup_method
 
@@ -190,7 +191,7 @@ class DGCSync(_GatherSync):
                          abort_on_error=abort_on_error)
         self.ratio, self.momentum = float(ratio), float(momentum)
         self.momentum_masking = bool(momentum_masking)
-        self.ks = [max(1, math.ceil(self.ratio * size)) for size in self.sizes]
+        self.ks = [topk_count(self.ratio, size) for size in self.sizes]
         self.velocity = self.residual = None
 
     def _reduce(self, arrays):
@@ -272,7 +273,7 @@ class TopKSync(_HookedSync):
         self.comm, self.ratio = comm, float(ratio)
         self.average, self.error_feedback = bool(average), bool(error_feedback)
         self.numel = sum(p.numel() for p in self.params)
-        self.k = max(1, math.ceil(self.ratio * self.numel))
+        self.k = topk_count(self.ratio, self.numel)
         self._residual = None
         self.stats = {"steps": 0, "bytes_sent": 0, "dense_elements_equivalent": 0,
                       "packed_reductions": 0, "dense_reductions": 0, "dense_fallbacks": 0,

@@ -196,6 +196,11 @@ PEER_DEFAULTS = {"topk_ratio": 0.01, "dgc_ratio": 0.001, "powersgd_rank": 4}
 as in its paper, ``powerSGD_hook`` rank 4 as in ``pacmpi bench train``'s labels)."""
 
 
+def topk_count(ratio, values):
+    """Values a top-k of ``ratio`` keeps of ``values`` (``TopKSync``'s k): at least one."""
+    return max(1, math.ceil(ratio * values))
+
+
 def powersgd_values(shapes, rank):
     """Values one rank all-reduces per step under ``powerSGD_hook`` of ``rank``: each tensor as
     an ``n x m`` matrix (``n`` its first dimension), sent as ``(n + m) r`` factor values when
@@ -213,9 +218,9 @@ def _peer_traffic(method, shapes, buckets, *, topk_ratio, dgc_ratio, powersgd_ra
     """``(collective, calls, payload bytes per rank)`` of one step of peer ``method``."""
     values = sum(math.prod(shape) for shape in shapes)
     if method == "topk":  # TopKSync: one global top-k, int64 indices and float32 values
-        return "allgather", 2, 12 * max(1, math.ceil(topk_ratio * values))
+        return "allgather", 2, 12 * topk_count(topk_ratio, values)
     if method == "dgc":  # DGCSync: the top ratio of each tensor, at least one value each
-        return "allgather", 2, 12 * sum(max(1, math.ceil(dgc_ratio * math.prod(shape)))
+        return "allgather", 2, 12 * sum(topk_count(dgc_ratio, math.prod(shape))
                                         for shape in shapes)
     if method == "terngrad":  # 2-bit codes, four per byte, and a float32 scale per tensor
         return "allgather", 2, math.ceil(values / 4) + 4 * len(shapes)
@@ -334,10 +339,11 @@ def _points(documents):
     points = []
     for doc in documents:
         source = doc.get("source", "?")
-        for key in ("link", "ranks", "model"):
+        for key in ("link", "ranks"):
             if doc.get(key) is None:
                 raise ValueError(f"{source}: no {key!r}; run `pacmpi bench allreduce --model NAME "
-                                 f"--link RATE --json FILE` under `pacmpi-run --link RATE`")
+                                 f"(or --sizes) --link RATE --json FILE` under `pacmpi-run --link "
+                                 f"RATE`")
         algorithm = doc.get("allreduce_algorithm")
         if doc.get("topology") == "star" and algorithm != "ring":
             # On the star bed Open MPI's default choice took 1.73x the ring's time for the
@@ -346,12 +352,17 @@ def _points(documents):
                              f"the ring the model describes; rerun it under `pacmpi-run --link "
                              f"RATE` (which pins the ring)")
         for row in doc["rows"]:
-            values, kept, buckets = workload(model=doc["model"], density=row["density"])
+            if doc.get("model") is not None:
+                values, kept, buckets = workload(model=doc["model"], density=row["density"])
+            else:  # `--sizes`: the row says what it reduced (its own random mask and buckets)
+                values, kept, buckets = row["count"], row["kept"], row["buckets"]
             points.append({
-                "source": source, "model": doc["model"], "ranks": doc["ranks"],
+                "source": source, "model": doc.get("model"), "ranks": doc["ranks"],
+                "shapes": (None if doc.get("model") is not None  # a model's: looked up
+                           else [(values,)]),
                 "nodes": doc.get("nodes") or doc["ranks"], "link": doc["link"],
                 "topology": doc.get("topology", "shared"),
-                "method": lookup_method(row["method"], ALLREDUCE_METHODS).name,
+                "method": lookup_method(row["method"], ALLREDUCE_METHODS + PEERS).name,
                 "density": row["density"], "values": values, "kept": kept, "buckets": buckets,
                 "measured_s": row["time_avg_us"] / 1e6,
                 "codec_s": row["pack_unpack_us"] / 1e6, "verify_s": row["verify_us"] / 1e6,
@@ -375,7 +386,8 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
     the codec coefficients. Points are weighed by ``1 / measured``, so small and large steps
     count alike (relative error).
     """
-    points = _points(documents)
+    # The peers' rows (TopK's all-gather) are predicted from the fit, not fitted.
+    points = [p for p in _points(documents) if p["method"] in ALLREDUCE_METHODS]
     if not points:
         raise ValueError("no benchmark rows to fit")
     fit = json.loads(json.dumps(DEFAULT_FIT))
@@ -386,8 +398,14 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
     methods = np.array([p["method"] for p in points])
     codec = np.array([p["codec_s"] for p in points])
     verify = np.array([p["verify_s"] for p in points])
+    # The codec's cost per byte depends on the bucket layout: a `--sizes` run's one contiguous
+    # bucket packs in place at a fraction of a model's multi-tensor buckets' cost, so where
+    # model runs are given the codec and verification terms come from them alone (the sized
+    # runs still fit the network terms, from their own measured codec and verification).
+    modelled = np.array([p["model"] is not None for p in points])
+    layout = modelled if modelled.any() else np.ones(len(points), bool)
     for method in ALLREDUCE_METHODS[1:]:  # dense has no codec
-        mine = methods == method
+        mine = (methods == method) & layout
         if not mine.any():
             continue
         # fp16's two casts touch every value; PacTrain's gathers touch the kept ones.
@@ -425,6 +443,13 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
 
 
 def _predict_point(fit, point, host_cores):
+    if point["method"] in PEERS:  # its network and latency: the peers' codec is not modelled
+        shapes = point["shapes"] or tensors(model=point["model"])[0]
+        return peer_step_seconds(fit, method=point["method"], ranks=point["ranks"],
+                                 link_bps=parse_rate(point["link"]), shapes=shapes,
+                                 buckets=point["buckets"], nodes=point["nodes"],
+                                 topology=point["topology"],
+                                 topk_ratio=point["density"])["seconds"]
     return step_seconds(fit, ranks=point["ranks"], link_bps=parse_rate(point["link"]),
                         values=point["values"], kept=point["kept"], buckets=point["buckets"],
                         method=point["method"], nodes=point["nodes"],
@@ -432,11 +457,16 @@ def _predict_point(fit, point, host_cores):
 
 
 def validate(fit, documents):
-    """Predicted vs measured seconds of every row of held-out benchmark documents."""
+    """Predicted vs measured seconds of every row of held-out benchmark documents. A peer's
+    prediction leaves its codec out (not modelled): it is compared with the measured time less
+    the measured codec (``compared`` says which)."""
     rows = []
     for p in _points(documents):
         predicted = _predict_point(fit, p, fit.get("host_cores"))
-        rows.append(dict(p, predicted_s=predicted, error=predicted / p["measured_s"] - 1))
+        peer = p["method"] in PEERS
+        measured = p["measured_s"] - (p["codec_s"] if peer else 0.0)
+        rows.append(dict(p, predicted_s=predicted, error=predicted / measured - 1,
+                         compared="network" if peer else "step"))
     return rows
 
 
@@ -449,11 +479,15 @@ def _load(paths):
 
 
 def format_points(points):
+    """One line per point; a peer's measured time is its step less its codec ("network")."""
     lines = [f"{'source':<34} {'method':>17} {'dens':>5} {'measured(s)':>11} "
              f"{'predicted(s)':>12} {'error':>7}"]
     for p in points:
+        network = p.get("compared") == "network"
+        measured = p["measured_s"] - (p["codec_s"] if network else 0.0)
         lines.append(f"{p['source']:<34} {p['method']:>17} {p['density']:>5.2f} "
-                     f"{p['measured_s']:>11.3f} {p['predicted_s']:>12.3f} {p['error']:>+7.1%}")
+                     f"{measured:>11.3f} {p['predicted_s']:>12.3f} {p['error']:>+7.1%}"
+                     + ("  (network)" if network else ""))
     return "\n".join(lines)
 
 
@@ -462,8 +496,8 @@ def calibrate_main(argv=None):
     parser = argparse.ArgumentParser(prog="pacmpi model calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", nargs="+", required=True, metavar="FILE",
-                        help="`pacmpi bench allreduce --model NAME --link RATE --json` files "
-                             "to fit")
+                        help="`pacmpi bench allreduce --model NAME (or --sizes) --link RATE "
+                             "--json` files to fit (TopK's rows are predicted, not fitted)")
     parser.add_argument("--validate", nargs="*", default=[], metavar="FILE",
                         help="held-out benchmark files: predicted vs measured, not fitted")
     parser.add_argument("--host-cores", type=int, default=os.cpu_count(),
@@ -512,11 +546,14 @@ def describe_fit(fit, source):
     if not held_out:
         return text + "; no held-out runs checked it"
     parts = []
-    for topology in TOPOLOGIES:
-        errors = [abs(p["error"]) for p in held_out if p.get("topology", "shared") == topology]
-        if errors:
-            parts.append(f"{topology} {sum(e <= 0.15 for e in errors)}/{len(errors)} "
-                         f"(max {max(errors):.0%})")
+    for peers in (False, True):  # a peer's network part only: its codec is not modelled
+        for topology in TOPOLOGIES:
+            errors = [abs(p["error"]) for p in held_out if p.get("topology", "shared") == topology
+                      and (p.get("compared") == "network") == peers]
+            if errors:
+                parts.append(f"{topology}{' peers (network)' if peers else ''} "
+                             f"{sum(e <= 0.15 for e in errors)}/{len(errors)} "
+                             f"(max {max(errors):.0%})")
     return text + f"; held-out points within 15%: {', '.join(parts)}"
 
 

@@ -1,6 +1,7 @@
 """The ``pacmpi`` command (sub-commands registered as entry points) and ``pacmpi bench
 allreduce``."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from pacmpi.bench.allreduce import _count_wrong
+from pacmpi.bench.allreduce import BENCH_METHODS, _count_wrong
 from pacmpi.cli import GROUP, commands
 from pacmpi.methods import ALLREDUCE_METHODS
 from pacmpi.units import parse_size
@@ -125,6 +126,7 @@ def test_validator_counts_wrong_elements_negative_control():
     corrupted = reference.copy()
     corrupted[1] += 1
     assert _count_wrong("pactrain", corrupted, reference, mask, 1.0, 2) == 1
+    assert _count_wrong("topk", corrupted, reference, mask, 1.0, 2) == 1
     lattice = np.array([0.5, -1.0, 0.0, 1.0])
     assert _count_wrong("pactrain-ternary", lattice, reference, mask, 0.5, 2) == 0
     off = np.array([0.7, -3.0, 0.5, 1.0])  # off-lattice, out of range, pruned non-zero
@@ -139,8 +141,13 @@ def test_bench_allreduce_validates_every_method(ranks, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert {r["method"] for r in rows} == set(ALLREDUCE_METHODS)
+    assert {r["method"] for r in rows} == set(BENCH_METHODS) == set(ALLREDUCE_METHODS) | {"topk"}
+    # TopK's sum is checked against every rank's own top 1% added up: #wrong counts the
+    # all-gathered exchange too.
     assert all(r["wrong"] == 0 for r in rows)
+    for r in (r for r in rows if r["method"] == "topk"):
+        k = math.ceil(0.01 * r["count"])
+        assert (r["density"], r["kept"], r["wire_bytes_per_rank"]) == (0.01, k, 12 * k)
     assert "busbw" in result.stdout and "#wrong" in result.stdout
     sparse = {r["method"]: r for r in rows if r["density"] == 0.2 and r["count"] == 1 << 18}
     dense = next(r for r in rows if r["method"] == "dense" and r["count"] == 1 << 18)

@@ -284,8 +284,9 @@ def test_predict_compare_names_the_winner_and_the_calibration(capsys):
     fit = os.path.join(os.path.dirname(__file__), "..", "results", "costmodel_fit.json")
     assert predict_main(argv + ["--fit", fit, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["calibration"].startswith(f"calibration: {fit}, fitted on 4 runs")
-    assert "held-out points within 15%: star 7/18" in doc["calibration"]
+    assert doc["calibration"].startswith(f"calibration: {fit}, fitted on 7 runs")
+    assert ("held-out points within 15%: star 15/22 (max 58%), shared 24/24 (max 13%), "
+            "star peers (network) 1/6") in doc["calibration"]
     assert [row["seconds"] for row in doc["rows"]] == sorted(row["seconds"] for row in doc["rows"])
 
 
@@ -307,26 +308,33 @@ TRUE_FIT = dict(DEFAULT_FIT, latency_s={"shared": 3e-4, "star": 2e-3},
 
 
 def _synthetic_documents(fit, setups):
-    """Benchmark JSON as `pacmpi bench allreduce --model --link --json` writes it, with the
-    times the model itself predicts."""
+    """Benchmark JSON as `pacmpi bench allreduce --model --link --json` writes it (or, where
+    the model is a number of bytes, `--sizes`: one bucket, its rows saying what they reduced),
+    with the times the model itself predicts."""
     documents = []
     for model, ranks, link, *topology in setups:
         topology = topology[0] if topology else "shared"
         rows = []
         for density in (0.5, 0.2):
-            values, kept, buckets = workload(model=model, density=density)
+            if isinstance(model, int):
+                values, buckets = model // 4, 1
+                kept = round(density * values)
+            else:
+                values, kept, buckets = workload(model=model, density=density)
             for method in ALLREDUCE_METHODS:
                 if method in ("dense", "fp16") and density != 0.5:
                     continue
                 got = step_seconds(fit, ranks=ranks, link_bps=parse_rate(link), values=values,
                                    kept=kept, buckets=buckets, method=method,
                                    topology=topology, host_cores=fit["host_cores"])
-                rows.append({"method": method, "density": density,
+                rows.append({"method": method, "density": density, "count": values,
+                             "kept": kept, "buckets": buckets,
                              "time_avg_us": got["seconds"] * 1e6,
                              "pack_unpack_us": got["codec_s"] * 1e6,
                              "verify_us": got["verify_s"] * 1e6,
                              "wire_bytes_per_rank": got["wire_bytes"]})
-        documents.append({"ranks": ranks, "model": model, "link": link, "topology": topology,
+        documents.append({"ranks": ranks, "model": None if isinstance(model, int) else model,
+                          "link": link, "topology": topology,
                           "nodes": ranks, "rows": rows, "allreduce_algorithm": "ring",
                           "source": f"{model}_{ranks}_{link}_{topology}"})
     return documents
@@ -360,6 +368,36 @@ def test_calibrate_recovers_the_parameters_of_synthetic_runs():
     held_out = validate(fit, _synthetic_documents(TRUE_FIT, [("gpt2-124m", 4, "1gbit"),
                                                              ("vgg19", 2, "10gbit", "star")]))
     assert len(held_out) == 12 and max(abs(p["error"]) for p in held_out) < 1e-9
+    # `--sizes` runs (no model; each row its own bucket count and survivors) fit and predict
+    # the same way: the star's parameters from sized runs alone, a held-out size and rate.
+    sized = calibrate(_synthetic_documents(TRUE_FIT, [(8 << 20, 2, "100mbit", "star"),
+                                                      (32 << 20, 4, "1gbit", "star")]),
+                      host_cores=2)
+    assert sized["latency_s"]["star"] == pytest.approx(TRUE_FIT["latency_s"]["star"], rel=1e-6)
+    assert sized["link_efficiency"]["star"] == pytest.approx(
+        TRUE_FIT["link_efficiency"]["star"], rel=1e-6)
+    unseen = validate(sized, _synthetic_documents(TRUE_FIT, [(32 << 20, 3, "300mbit", "star")]))
+    assert len(unseen) == 6 and max(abs(p["error"]) for p in unseen) < 1e-9
+    # TopK's rows are not fitted but predicted: its network and latency against the measured
+    # step less its codec (which the model leaves out).
+    values, codec = (32 << 20) // 4, 0.25
+    peer = peer_step_seconds(TRUE_FIT, method="topk", ranks=3, link_bps=parse_rate("300mbit"),
+                             shapes=[(values,)], buckets=1, topology="star")
+    unseen_doc = _synthetic_documents(TRUE_FIT, [(32 << 20, 3, "300mbit", "star")])[0]
+    topk = dict(unseen_doc, rows=[{
+        "method": "topk", "density": 0.01, "count": values, "kept": math.ceil(0.01 * values),
+        "buckets": 1, "time_avg_us": (peer["seconds"] + codec) * 1e6,
+        "pack_unpack_us": codec * 1e6, "verify_us": 0.0,
+        "wire_bytes_per_rank": peer["wire_bytes"]}])
+    (row,) = validate(sized, [topk])
+    assert row["compared"] == "network" and abs(row["error"]) < 1e-9
+    assert calibrate([topk, unseen_doc], host_cores=2)["points"] == calibrate(
+        [unseen_doc], host_cores=2)["points"]
+    # Negative control: the same runs claiming twice the survivors are predicted slower.
+    doubled = _synthetic_documents(TRUE_FIT, [(32 << 20, 3, "300mbit", "star")])
+    for row in doubled[0]["rows"]:
+        row["kept"] *= 2
+    assert any(p["error"] > 0.05 for p in validate(sized, doubled))
     default_choice = dict(documents[3], allreduce_algorithm="default")
     with pytest.raises(ValueError, match="star run with all-reduce algorithm 'default'"):
         calibrate([default_choice], host_cores=2)

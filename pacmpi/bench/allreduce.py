@@ -11,6 +11,11 @@ pass can count wrong elements exactly; sizes are dense-equivalent float32 bytes.
 (:mod:`pacmpi.bench.models`): a global magnitude mask at each density, and fusion buckets of
 the reducer's ``bucket_bytes`` (25 MiB, like DDP) filled in gradient-ready (reverse) order; the
 dense baselines all-reduce the same buckets, and fp16's "codec" is its two casts.
+
+``topk`` is the all-gather peer as ``TopKSync`` runs it: one top-k of the whole gradient
+(``--topk-ratio`` of its values), whose float32 values and int64 positions every rank
+all-gathers and adds up (its "codec": the selection and the scatter-add); its row's density is
+the ratio. It runs once per size, like the dense baselines.
 """
 import argparse
 import time
@@ -21,6 +26,7 @@ from .. import kernels
 from ..arrays import to_host
 from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from ..collectives import allreduce_algorithm, default_collectives
+from ..costmodel import PEER_DEFAULTS, topk_count
 from ..hierarchy import HierarchicalCollectives
 from ..methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from ..reducer import PacTrainReducer
@@ -29,7 +35,10 @@ from ..units import parse_size
 from . import harness
 from .models import MODELS, magnitude_mask, model_params, random_weights
 
-__all__ = ["run", "format_table", "main"]
+__all__ = ["BENCH_METHODS", "run", "format_table", "main"]
+
+BENCH_METHODS = ALLREDUCE_METHODS + ("topk",)
+"""What this benchmark runs: the engine's all-reduce methods and TopK's all-gather."""
 
 
 def _views(flat, shapes):
@@ -79,7 +88,40 @@ def _packed(collectives, mask, quantize, layout):
     return reduce
 
 
-def _make_reduce(method, collectives, mask, layout, xp):
+def _topk_select(xp, flat, k):
+    """Positions (int64) and values of ``flat``'s ``k`` largest magnitudes."""
+    positions = xp.argpartition(xp.abs(flat), flat.size - k)[flat.size - k:].astype(np.int64)
+    return positions, flat[positions]
+
+
+def _topk(collectives, ratio, xp):
+    world = collectives.size
+
+    def reduce(flat):
+        started = time.perf_counter()
+        k = topk_count(ratio, flat.size)
+        positions, values = _topk_select(xp, flat, k)
+        all_values = xp.empty(k * world, dtype=flat.dtype)
+        all_positions = xp.empty(k * world, dtype=np.int64)
+        mine = slice(collectives.rank * k, (collectives.rank + 1) * k)
+        all_values[mine], all_positions[mine] = values, positions
+        codec = time.perf_counter() - started
+        collectives.allgather(all_values, [k] * world)
+        collectives.allgather(all_positions, [k] * world)
+        started = time.perf_counter()
+        flat[...] = 0
+        if xp is np:
+            np.add.at(flat, all_positions, all_values)
+        else:
+            import cupyx
+            cupyx.scatter_add(flat, all_positions, all_values)
+        return 12 * k, codec + time.perf_counter() - started, 0.0
+    return reduce
+
+
+def _make_reduce(method, collectives, mask, layout, xp, topk_ratio=PEER_DEFAULTS["topk_ratio"]):
+    if method == "topk":
+        return _topk(collectives, topk_ratio, xp)
     spec = METHODS[method]
     if not spec.packed:
         return _dense(collectives, np.float16 if spec.quantize == "fp16" else np.float32,
@@ -88,7 +130,7 @@ def _make_reduce(method, collectives, mask, layout, xp):
 
 
 def _count_wrong(method, result, reference, mask, scale, world):
-    if METHODS[method].quantize != "ternary":
+    if method == "topk" or METHODS[method].quantize != "ternary":
         return int(np.count_nonzero(result != reference))
     lattice = result / scale if scale > 0 else result
     off_lattice = np.abs(lattice - np.rint(lattice)) > 1e-3 * world
@@ -107,12 +149,13 @@ def _quantized(collectives, grads):
     return total
 
 
-def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, xp):
+def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, xp,
+               topk_ratio=PEER_DEFAULTS["topk_ratio"]):
     world, rank = collectives.size, collectives.rank
     count = mask.size
     grads = (np.random.default_rng(seed + 1 + rank).integers(-8, 9, size=count)
              .astype(np.float32) * mask)
-    reduce = _make_reduce(method, collectives, xp.asarray(mask), layout, xp)
+    reduce = _make_reduce(method, collectives, xp.asarray(mask), layout, xp, topk_ratio)
     device_grads = xp.asarray(grads)
     work = xp.empty_like(device_grads)
 
@@ -123,6 +166,12 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
                      collectives=collectives)
     wire, overhead, verify = (sum(part) for part in zip(*timing.results))
     reference = grads.astype(np.float64)
+    if method == "topk":  # the sum of every rank's top-k, nothing else
+        k = topk_count(topk_ratio, count)
+        positions, values = _topk_select(np, grads, k)
+        reference = np.zeros(count)
+        reference[positions] = values
+        density = topk_ratio
     collectives.allreduce(reference, "sum")
     scale = np.array([np.abs(_quantized(collectives, grads)).max() if count else 0.0])
     collectives.allreduce(scale, "max")
@@ -138,7 +187,8 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
         "busbw_GBps": algbw * 2 * (world - 1) / world,
         "wire_bytes_per_rank": wire // iters, "pack_unpack_us": overhead / iters * 1e6,
         "verify_us": verify / iters * 1e6, "wrong": int(wrong[0]),
-        "buckets": len(layout.buckets), "kept": int(np.count_nonzero(mask)),
+        "buckets": len(layout.buckets),
+        "kept": k if method == "topk" else int(np.count_nonzero(mask)),
     }
 
 
@@ -161,14 +211,17 @@ def _cases(sizes, densities, model, bucket_bytes, seed):
 
 
 def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, seed=0,
-        collectives=None, xp=np, model=None):
+        collectives=None, xp=np, model=None, topk_ratio=PEER_DEFAULTS["topk_ratio"]):
     """Benchmark every (size, density, method); returns the rows (identical on all ranks).
 
     ``xp`` is ``numpy`` (host buffers) or ``cupy`` (device buffers, CUDA-aware MPI or host
     staging as the transport decides). ``model`` (a name from :data:`MODELS`) replaces the
-    sizes by that architecture's tensors and masks by global magnitude ones.
+    sizes by that architecture's tensors and masks by global magnitude ones. ``topk_ratio``:
+    the share of values ``topk`` sends.
     """
-    methods = [lookup_method(m, ALLREDUCE_METHODS).name for m in methods]
+    methods = [lookup_method(m, BENCH_METHODS).name for m in methods]
+    if not 0 < topk_ratio <= 1:
+        raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
     for density in densities:
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
@@ -182,9 +235,9 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
         for density, mask in zip(densities, masks):
             for method in methods:
                 if not METHODS[method].packed and density != densities[0]:
-                    continue  # the dense baselines do not depend on the density
+                    continue  # the dense baselines (and TopK) do not depend on the density
                 row = _bench_one(collectives, method, layout, mask, density, n_iters, warmup,
-                                 seed, xp)
+                                 seed, xp, topk_ratio)
                 rows.append(dict(row, device="cuda" if xp is not np else "cpu", model=label,
                                  cuda_aware=getattr(collectives, "cuda_aware", None),
                                  nodes=getattr(collectives, "nodes", None)))
@@ -213,7 +266,10 @@ def build_parser(parser=None):
     parser.add_argument("--densities", default="1.0,0.5,0.2,0.1",
                         help="comma-separated mask densities (default %(default)s)")
     parser.add_argument("--methods", default=",".join(ALLREDUCE_METHODS),
-                        help="comma-separated subset of " + ", ".join(ALLREDUCE_METHODS))
+                        help="comma-separated subset of " + ", ".join(BENCH_METHODS)
+                        + " (default: all but topk)")
+    parser.add_argument("--topk-ratio", type=float, default=PEER_DEFAULTS["topk_ratio"],
+                        help="the share of values topk sends (default %(default)s)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations (default: 3..20, fewer for large sizes)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -287,7 +343,8 @@ def main(argv=None):
                                            node_comm=_simulated_node(args.ranks_per_node))
                    if args.hierarchical else default_collectives(cuda_aware=cuda_aware))
     rows = run(sizes, densities, methods, iters=args.iters, warmup=args.warmup,
-               bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp, model=args.model)
+               bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp, model=args.model,
+               topk_ratio=args.topk_ratio)
     wrong = sum(r["wrong"] for r in rows)
     if collectives.rank == 0:
         print(format_table(rows))
