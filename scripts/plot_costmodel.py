@@ -3,7 +3,9 @@
     python scripts/plot_costmodel.py --fit results/costmodel_fit.json --out-dir results
 
 Writes ``costmodel_predictions.json`` and ``costmodel_speedup.png`` and prints the markdown
-tables of docs/cost-model.md. Every rank has its own GPU, 4 per node (``--per-node``), nodes on
+tables of docs/cost-model.md: PacTrain's speedups, then every method's step time and the
+fastest per rank count and link (the peers at their defaults, flat; their codec not modelled,
+so their times are lower bounds). Every rank has its own GPU, 4 per node (``--per-node``), nodes on
 a star of per-node links; the speedup is over flat dense fp32 at the same compute per step
 (``--compute``, seconds per model, an assumption docs/cost-model.md sources). ``--latency-us``
 and ``--link-efficiency`` replace the test bed's fitted a and eta by a cluster's (the bed's are
@@ -22,6 +24,11 @@ PLOT_RATES = ("100mbit", "250mbit", "500mbit", "1gbit", "2500mbit", "5gbit", "10
 VARIANTS = (("pactrain", False), ("pactrain", True), ("pactrain-ternary", False),
             ("pactrain-ternary", True))
 DENSITIES = (0.5, 0.2)
+# Who wins: every method at its default knobs, PacTrain at density 0.2, flat or hierarchical
+# (whichever is faster), against the peers (flat).
+CONTENDERS = (("dense", "dense fp32"), ("fp16", "fp16"), ("topk", "TopK 1%"),
+              ("dgc", "DGC 0.1%"), ("terngrad", "TernGrad"), ("powersgd", "PowerSGD 4"),
+              ("pactrain", "PacTrain 0.2"), ("pactrain-ternary", "PacTrain+ternary 0.2"))
 
 
 def label(method, hierarchical):
@@ -41,6 +48,38 @@ def grid(fit, models, per_node, rates, codec):
                                             hierarchical=hierarchical, compute_s=compute_s,
                                             codec=codec))
     return rows
+
+
+def contenders(fit, models, per_node, codec):
+    """Per (model, ranks, rate in TABLE_RATES): each contender's seconds per step (PacTrain's
+    best of flat and hierarchical) and the fastest."""
+    table = []
+    for model, compute_s in models.items():
+        for ranks in RANKS:
+            for rate in TABLE_RATES:
+                common = dict(ranks=ranks, nodes=ranks // per_node, link=rate, model=model,
+                              compute_s=compute_s, codec=codec)
+                seconds = {}
+                for method, name in CONTENDERS:
+                    flat = predict(fit, method=method, density=0.2, **common)["seconds"]
+                    if method.startswith("pactrain"):
+                        flat = min(flat, predict(fit, method=method, density=0.2,
+                                                 hierarchical=True, **common)["seconds"])
+                    seconds[name] = flat
+                table.append({"model": model, "ranks": ranks, "link": rate, "seconds": seconds,
+                              "fastest": min(seconds, key=seconds.get)})
+    return table
+
+
+def contenders_markdown(table, model):
+    names = [name for _, name in CONTENDERS]
+    lines = ["| ranks | link | " + " | ".join(names) + " | fastest |",
+             "|---:|---:|" + "---:|" * len(names) + "---|"]
+    for row in (r for r in table if r["model"] == model):
+        lines.append(f"| {row['ranks']} | {row['link']} | "
+                     + " | ".join(f"{row['seconds'][n]:.3f}" for n in names)
+                     + f" | {row['fastest']} |")
+    return "\n".join(lines)
 
 
 def markdown(rows, model):
@@ -119,16 +158,20 @@ def main(argv=None):
     models = {name: float(seconds) for name, seconds in
               (item.split("=") for item in args.compute.split(","))}
     rows = grid(fit, models, args.per_node, PLOT_RATES, args.codec)
+    table = contenders(fit, models, args.per_node, args.codec)
     out = Path(args.out_dir)
     settings = {"fit": args.fit, "latency_s": fit["latency_s"],
                 "link_efficiency": fit["link_efficiency"], "intra_Bps": fit["intra_Bps"],
                 "per_node": args.per_node, "compute_s": models, "codec": args.codec}
     (out / "costmodel_predictions.json").write_text(json.dumps(
-        {"settings": settings, "rows": rows}, indent=1))
+        {"settings": settings, "rows": rows, "contenders": table}, indent=1))
     plot(rows, models, out / "costmodel_speedup.png")
     for model in models:
         print(f"\n{model} (compute {models[model]} s/step), speedup over flat dense fp32:\n")
         print(markdown(rows, model))
+        print(f"\n{model}: seconds per step of every method (PacTrain: best of flat and "
+              f"hierarchical; peers flat, codec not modelled):\n")
+        print(contenders_markdown(table, model))
     print(f"\nwrote {out / 'costmodel_predictions.json'} and {out / 'costmodel_speedup.png'}")
     return 0
 

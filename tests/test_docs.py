@@ -140,13 +140,35 @@ def _tta_cell(row):
                                          if never else "")
 
 
+def _readme_section(title):
+    return README.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_predicted_table_is_the_predictions_json():
+    """Each "fastest" cell of the README's predicted table, its step time and its speedup over
+    dense, against scripts/plot_costmodel.py's JSON."""
+    report = json.loads((REPO / "results" / "costmodel_predictions.json").read_text())
+    by = {(r["model"], r["ranks"], r["link"]): r for r in report["contenders"]}
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in _readme_section("At scale (predicted)").splitlines()
+            if line.startswith("| ") and not line.startswith("| ranks")]
+    assert len(rows) == 12
+    for ranks, link, *cells in rows:
+        for model, (fastest, seconds, speedup) in zip(("resnet152", "bert-base"),
+                                                     (cells[:3], cells[3:])):
+            row = by[(model, int(ranks), link)]
+            assert fastest == row["fastest"] == min(row["seconds"], key=row["seconds"].get)
+            assert seconds == f"{row['seconds'][fastest]:.3f}"
+            assert speedup == f"{row['seconds']['dense fp32'] / row['seconds'][fastest]:.1f}"
+
+
 def test_readme_headline_table_is_the_results_json():
     report = json.loads((REPO / "results" / "bench_text.json").read_text())
     repeats, config = report["repeats"], report["config"]
     global_batch = config["ranks"] * config["batch_size"]
     rows = {cells[0]: cells[1:] for cells in (
         [c.strip() for c in line.strip("|").split("|")]
-        for line in README.read_text().split("## Results", 1)[1].splitlines()
+        for line in _readme_section("Results").splitlines()
         if line.startswith("| ") and not line.startswith("| method"))}
     assert set(rows) == set(HEADLINE)
     for label, key in HEADLINE.items():

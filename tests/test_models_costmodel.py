@@ -3,6 +3,7 @@ model (formulas, calibration round trip, ``pacmpi model`` commands)."""
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 
@@ -461,3 +462,22 @@ def test_bench_allreduce_model_sends_what_the_cost_model_counts(tmp_path):
         tensors = len(model_params("resnet50"))
         slack = 24 * buckets + 24 * tensors if row["method"] == "pactrain-ternary" else 0
         assert 0 <= row["wire_bytes_per_rank"] - expected <= slack, row["method"]
+
+
+def test_the_contenders_table_picks_the_shortest_step():
+    """scripts/plot_costmodel.py's table of every method: PacTrain's cell is the faster of
+    flat and hierarchical, the winner the shortest step, TopK's all-gather grows with ranks."""
+    script = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                         "plot_costmodel.py"))
+    fit = dict(DEFAULT_FIT, latency_s=25e-6, link_efficiency=0.94)
+    table = script["contenders"](fit, {"resnet50": 0.1}, 4, False)
+    assert len(table) == 12
+    for row in table:
+        assert row["fastest"] == min(row["seconds"], key=row["seconds"].get)
+        common = dict(ranks=row["ranks"], nodes=row["ranks"] // 4, link=row["link"],
+                      model="resnet50", compute_s=0.1, codec=False, density=0.2)
+        assert row["seconds"]["PacTrain 0.2"] == min(
+            predict(fit, method="pactrain", **common)["seconds"],
+            predict(fit, method="pactrain", hierarchical=True, **common)["seconds"])
+    topk = {(r["ranks"], r["link"]): r["seconds"]["TopK 1%"] for r in table}
+    assert topk[(8, "1gbit")] < topk[(64, "1gbit")] < topk[(1024, "1gbit")]
