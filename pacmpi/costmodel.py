@@ -403,9 +403,9 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
     # model runs are given the codec and verification terms come from them alone (the sized
     # runs still fit the network terms, from their own measured codec and verification).
     modelled = np.array([p["model"] is not None for p in points])
-    layout = modelled if modelled.any() else np.ones(len(points), bool)
+    codec_points = modelled if modelled.any() else np.ones(len(points), bool)
     for method in ALLREDUCE_METHODS[1:]:  # dense has no codec
-        mine = (methods == method) & layout
+        mine = (methods == method) & codec_points
         if not mine.any():
             continue
         # fp16's two casts touch every value; PacTrain's gathers touch the kept ones.
@@ -466,7 +466,7 @@ def validate(fit, documents):
         peer = p["method"] in PEERS
         measured = p["measured_s"] - (p["codec_s"] if peer else 0.0)
         rows.append(dict(p, predicted_s=predicted, error=predicted / measured - 1,
-                         compared="network" if peer else "step"))
+                         compared="network" if peer else "step", compared_s=measured))
     return rows
 
 
@@ -479,15 +479,15 @@ def _load(paths):
 
 
 def format_points(points):
-    """One line per point; a peer's measured time is its step less its codec ("network")."""
+    """One line per point: the measured time the prediction was compared with (a peer's step
+    less its codec, marked "network")."""
     lines = [f"{'source':<34} {'method':>17} {'dens':>5} {'measured(s)':>11} "
              f"{'predicted(s)':>12} {'error':>7}"]
     for p in points:
-        network = p.get("compared") == "network"
-        measured = p["measured_s"] - (p["codec_s"] if network else 0.0)
         lines.append(f"{p['source']:<34} {p['method']:>17} {p['density']:>5.2f} "
-                     f"{measured:>11.3f} {p['predicted_s']:>12.3f} {p['error']:>+7.1%}"
-                     + ("  (network)" if network else ""))
+                     f"{p.get('compared_s', p['measured_s']):>11.3f} "
+                     f"{p['predicted_s']:>12.3f} {p['error']:>+7.1%}"
+                     + ("  (network)" if p.get("compared") == "network" else ""))
     return "\n".join(lines)
 
 

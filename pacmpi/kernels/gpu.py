@@ -200,8 +200,9 @@ __global__ void ternary_encode(const T* flat, const I* indices, int packed,
             C v = to_float(flat[packed ? indices[j] : j]);
             if (add_residual) v = add_rn(v, residual_in[j]);
             int q = 0;
-            float share = div_rn(narrow(magnitude(v)), scale32);
-            if (positive && less(uniform(j, key_lo, key_hi), share)) q = negative(v) ? -1 : 1;
+            if (positive && less(uniform(j, key_lo, key_hi),
+                                 div_rn(narrow(magnitude(v)), scale32)))
+                q = negative(v) ? -1 : 1;
             if (keep_residual) residual_out[j] = sub_rn(v, mul_rn((C)q, scale));
             word += (u64)(q + 1) * powers[j - w * k];
         }
