@@ -108,8 +108,11 @@ def clean_env(venv, with_mpi=True):
     """A fresh shell without any venv on PATH; the MPI from outside when ``with_mpi``."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PACMPI_", "MPI4PY_", "VIRTUAL_ENV", "PYTHON"))}
+    # Any venv's bin, not only this one's: a shell that activated another venv holding an
+    # MPI (a developer's checkout beside the CI's clone) would lend its mpirun.
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
-                                  if d not in (str(Path(PY).parent), str(venv / "bin")))
+                                  if d not in (str(Path(PY).parent), str(venv / "bin"))
+                                  and not (Path(d).parent / "pyvenv.cfg").exists())
     if with_mpi:
         libmpi = sorted(Path(sys.prefix, "lib").glob("libmpi.so*"))
         if not libmpi or not (Path(PY).parent / "mpirun").exists():
