@@ -80,6 +80,28 @@ class MaskBinding:
                 (param.numel(),), (1,))
         return as_array(mask.reshape(-1))
 
+    def flats(self, memory_order=False):
+        """Every parameter's :meth:`flat`: boolean masks of the parameters' shape on their
+        device (of contiguous parameters, with ``memory_order``) read in one concatenation,
+        so reading them costs one call whatever their number; the others one by one."""
+        out, fused = [None] * len(self.params), []
+        for index, mask in self.masks.items():
+            param = self.params[index]
+            if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+                    and mask.device == param.device and mask.shape == param.shape
+                    and (not memory_order or param.is_contiguous())):
+                fused.append(index)
+            else:
+                out[index] = self.flat(index, memory_order)
+        if fused:
+            whole = as_array(torch.cat([self.masks[i].reshape(-1) for i in fused]))
+            start = 0
+            for index in fused:
+                size = self.params[index].numel()
+                out[index] = whole[start:start + size]
+                start += size
+        return out
+
     def store(self, index, flat, memory_order=False):
         """Write a flat mask (as :meth:`flat` returns it) into parameter ``index``'s mask."""
         param, target = self.params[index], torch.as_tensor(self.masks[index])

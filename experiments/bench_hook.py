@@ -26,6 +26,7 @@ the blocks it ever used until freed, so that is its high-water mark); ``rss`` st
 scripts/gpu_check.sh runs it.
 """
 import argparse
+import atexit
 import gc
 import os
 import time
@@ -319,4 +320,8 @@ def main(argv=None):
         if args.json:
             harness.write_report(args.json, dict(report, ranks=size, device=args.device),
                                  "pacmpi bench hook")
+    if args.frontend == "ddp":  # gloo may abort a finished rank at interpreter exit
+        from pacmpi.experiments.train import exit_after_gloo
+
+        atexit.register(exit_after_gloo, 0)
     return 0

@@ -69,8 +69,8 @@ from pacmpi.experiments.data import (
 from pacmpi.experiments.models import MODELS, PRETRAINED_MODELS, build_model, count_parameters
 from pacmpi.methods import ALLREDUCE_METHODS, METHODS, lookup_method
 
-__all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "fine_tune", "main",
-           "pretrained_state", "run"]
+__all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "exit_after_gloo",
+           "fine_tune", "main", "pretrained_state", "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 # Methods whose synchronized p.grad estimates the average gradient (DGC's carries its momentum).
@@ -887,11 +887,11 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     if cfg.backend == "ddp":
-        atexit.register(_exit_after_gloo, 0)
+        atexit.register(exit_after_gloo, 0)
     return 0
 
 
-def _exit_after_gloo(status):
+def exit_after_gloo(status):
     """At the exit of a process whose ``--backend ddp`` job finished, end it with ``status``
     without interpreter finalization: torch 2.13's gloo can abort a finished rank while the
     interpreter is torn down ("terminate called without an active exception": 1 run in 8 on a

@@ -16,6 +16,7 @@ The front end runs the payload's all-reduce itself (MPI ``Iallreduce``, Horovod'
 thread, a DDP future): ``encode`` returns the payload and a context, ``decode`` takes both back.
 """
 import math
+import operator
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import kernels
 from .arrays import array_module, to_host
-from .bitmaps import Bitmap
+from .bitmaps import CHUNK, Bitmap, index_dtype
 from .errors import LayoutMismatchError, MaskMismatchError
 from .hashing import digest_ints
 from .segments import SegmentTable
@@ -88,6 +89,39 @@ class Encoded:
     count: int = 0
     residual: object = None
     scratch: object = None
+
+
+class _Group:
+    """Buckets whose flat arrays lie back to back in one array (a DDP bucket's parameters),
+    sent as one payload: ``indices`` their survivors' positions in that array (``None``: every
+    coordinate is sent), so a step costs one gather and one scatter whatever the number of
+    members. Built when a member's packing or mask changes (``key``), not per step;
+    ``masked``: ``(bucket, start, stop)`` of the members sent dense with a mask to apply."""
+
+    __slots__ = ("key", "indices", "masked", "count", "packed", "size", "nbytes", "step")
+
+    def __init__(self, slots, states, specs, key, step):
+        sizes = [specs[s].size for s in slots]
+        offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.key, self.step, self.size = key, step, int(offsets[-1])
+        self.nbytes = sum(specs[s].size * specs[s].dtype.itemsize for s in slots)
+        self.packed = sum(state.packed for state in states)
+        self.masked = [(s, int(lo), int(lo) + n) for s, state, lo, n in
+                       zip(slots, states, offsets, sizes)
+                       if not state.packed and state.mask is not None and state.survivors < n]
+        self.indices = states[0].positions() if len(slots) == 1 else None
+        if len(slots) > 1 and self.packed:
+            # Built from each member's mask: the members need no positions of their own.
+            xp = next(state.mask.xp for state in states if state.packed)
+            counts = [state.survivors if state.packed else n for state, n in zip(states, sizes)]
+            self.indices = xp.empty(sum(counts), dtype=index_dtype(self.size))
+            start = 0
+            for state, lo, n, count in zip(states, offsets, sizes, counts):
+                part = self.indices[start:start + count]
+                part[...] = state.mask.positions() if state.packed else xp.arange(n)
+                part += part.dtype.type(lo)
+                start += count
+        self.count = self.size if self.indices is None else int(self.indices.size)
 
 
 class _Residual:
@@ -204,9 +238,12 @@ class StepEngine:
 
     # Reusable buffers (kept per key; lent per payload: free ones by (module, dtype), lent ones
     # by id of the payload until its encode returns), the last agreed mask snapshots with
-    # their fingerprints, and the segment tables (bucket -> (survivor indices, table)): dicts
-    # rebuilt on demand, so never pickled.
-    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots", "_tables")
+    # their fingerprints, the segment tables (bucket -> (survivor indices, table)), the
+    # groups (buckets tuple -> _Group), the small masks' batches (buckets tuple -> (their
+    # bits read together, the snapshots they matched)) and the verification's digests (what
+    # was digested -> digest): dicts rebuilt on demand, so never pickled.
+    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots", "_tables", "_groups",
+               "_batches", "_digests")
 
     def _clear_caches(self):
         for name in self._CACHES:
@@ -274,7 +311,7 @@ class StepEngine:
         if not masks_differ:
             for b, state in enumerate(self.tracker.buckets):
                 if self.tracker.ready_to_pack(b):
-                    state.indices = state.mask.positions()
+                    state.pack()
             # The scales hold where each bucket is sent as it was when they were computed.
             self._scales = {b: self._agreed_fields(b, maxima) for b, indices in fused.items()
                             if self.packed_indices(b) is indices}
@@ -286,8 +323,8 @@ class StepEngine:
         same ones; none before a first agreed verification, whose layout they rely on."""
         if self.quantize != "ternary" or self.tracker.last_commit_step is None:
             return {}
-        return {b: state.indices for b, state in enumerate(self.tracker.buckets)
-                if self._payload_count(b) and (state.indices is not None or state.mask is None
+        return {b: state.positions() for b, state in enumerate(self.tracker.buckets)
+                if self._payload_count(b) and (state.packed or state.mask is None
                                                or state.survivors == self.buckets[b].size)}
 
     def _scale_fields(self, fused, scale_flats):
@@ -327,6 +364,8 @@ class StepEngine:
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
         self._trim_scratch()
+        # Groups not sent in this step (DDP rebuilt its buckets) let go of their positions.
+        self._groups = {k: g for k, g in self._groups.items() if g.step == self.step}
         self.step += 1
         self.stats["steps"] += 1
         self._scales = {}
@@ -378,6 +417,8 @@ class StepEngine:
         not the caller's array, is what the step packs with.
         """
         snapshots, observations = [], []
+        runs = list(self._mask_batches(flats))
+        unchanged = self._unchanged(runs)
         for b, flat in enumerate(flats):
             previous = self._snapshots.get(b)
             if flat is None:
@@ -385,20 +426,56 @@ class StepEngine:
                 snapshots.append(None)
                 observations.append((None, None))
                 continue
-            if flat.dtype != np.bool_:
-                flat = flat != 0
-            if previous is None or not previous[0].matches(flat):
-                snapshot = Bitmap(flat)
-                previous = (snapshot, MaskTracker.observe(snapshot))
-                self._snapshots[b] = previous
+            if b not in unchanged:
+                if flat.dtype != np.bool_:
+                    flat = flat != 0
+                if previous is None or not previous[0].matches(flat):
+                    snapshot = Bitmap(flat)
+                    previous = (snapshot, MaskTracker.observe(snapshot))
+                    self._snapshots[b] = previous
             snapshots.append(previous[0])
             observations.append(previous[1])
+        # Each run kept with the snapshots its masks now match.
+        self._batches = {run: (bits, [self._snapshots[b][0] for b in run]) for run, bits in runs}
         return snapshots, observations
+
+    def _mask_batches(self, flats):
+        """Runs of small masked buckets (under :data:`pacmpi.bitmaps.CHUNK` coordinates
+        together; unmasked ones between them skipped) with boolean masks of one module: the
+        masks a step compares with one concatenation and one ``packbits`` per run instead of
+        one per bucket, so the comparison's cost does not grow with the number of tensors.
+        Yields ``(buckets, bits)``."""
+        run, size = [], 0
+        for b, flat in enumerate(flats + [False]):
+            if flat is None:  # an unmasked bucket does not end a run
+                continue
+            small = flat is not False and flat.dtype == np.bool_ and flat.size < CHUNK
+            if run and (not small or size + flat.size > CHUNK
+                        or type(flat) is not type(flats[run[0]])):
+                if len(run) > 1:
+                    xp = array_module(flats[run[0]])
+                    yield tuple(run), xp.packbits(xp.concatenate([flats[r] for r in run]))
+                run, size = [], 0
+            if small:
+                run.append(b)
+                size += flat.size
+
+    def _unchanged(self, runs):
+        """Buckets whose masks are those of their snapshots, found run by run of
+        :meth:`_mask_batches`: the runs that read exactly as when they last matched."""
+        same = set()
+        for run, bits in runs:
+            cached = self._batches.get(run)
+            if (cached is not None and cached[0].size == bits.size
+                    and all(self._snapshots.get(b, (None,))[0] is snapshot
+                            for b, snapshot in zip(run, cached[1]))
+                    and bool(array_module(bits).array_equal(bits, cached[0]))):
+                same.update(run)
+        return same
 
     def _fields(self, observations):
         fields = {
             "magic": _MAGIC, "step": self.step, "buckets": len(self.buckets),
-            "elements": sum(b.size for b in self.buckets),
             "quantize": _QUANTIZE_CODES[self.quantize], "average": int(self.average),
             "scales": (TERNARY_SCALES.index(self.ternary_scale) + 1
                        if self.quantize == "ternary" else 0),
@@ -407,11 +484,29 @@ class StepEngine:
                              for b, (_, s) in zip(self.buckets, observations)),
             "version": self.tracker.version,
         }
-        describe = [(str(b.dtype), b.size, tuple(b.segments)) for b in self.buckets] + self.layout
-        fields.update(zip(("layout0", "layout1", "layout2", "layout3"), digest_ints(describe)))
+        fields.update(self._layout_fields())
         fields.update(zip(("mask0", "mask1", "mask2", "mask3"),
-                          digest_ints([o for pair in observations for o in pair])))
+                          self._masks_digest(observations)))
         return fields
+
+    def _layout_fields(self):
+        """The element count and the digest of the buckets and the front end's layout: fixed
+        for the engine's life, computed once."""
+        if "layout" not in self._digests:
+            describe = [(str(b.dtype), b.size, tuple(b.segments)) for b in self.buckets]
+            self._digests["layout"] = dict(
+                zip(("layout0", "layout1", "layout2", "layout3"),
+                    digest_ints(describe + self.layout)),
+                elements=sum(b.size for b in self.buckets))
+        return self._digests["layout"]
+
+    def _masks_digest(self, observations):
+        """Digest of the observations, kept for the next step's (mostly the same ones)."""
+        values = tuple(o for pair in observations for o in pair)
+        cached = self._digests.get("masks")
+        if cached is None or cached[0] != values:
+            cached = self._digests["masks"] = (values, digest_ints(values))
+        return cached[1]
 
     def _descriptor(self, observations):
         return {
@@ -477,11 +572,11 @@ class StepEngine:
     # ------------------------------------------------------------------ encoding
     def packed_indices(self, b):
         """Survivor positions of bucket ``b`` while it is packed, else ``None``."""
-        return self.tracker.buckets[b].indices
+        return self.tracker.buckets[b].positions()
 
     def _payload_count(self, b):
-        indices = self.packed_indices(b)
-        return self.buckets[b].size if indices is None else indices.size
+        state = self.tracker.buckets[b]
+        return state.survivors if state.packed else self.buckets[b].size
 
     def _buffer(self, xp, key, size, dtype):
         buf = self._buffers.get(key)
@@ -604,6 +699,9 @@ class StepEngine:
         """Payload of bucket ``b`` from its flat gradient (which may be modified in place:
         pruned coordinates are zeroed on the dense path) and the :class:`Encoded` context.
 
+        ``b`` may be a tuple of buckets whose flat arrays lie back to back in ``flat``, in that
+        order (a group: a DDP bucket's parameters): their payloads are sent as one, built in one
+        call whatever their number (lossless and float16; ternary buckets one by one).
         The payload is ``flat`` itself (dense lossless: reduce it in place), with
         ``in_place=True`` a packed lossless bucket's ``flat[:survivors]`` (its survivors moved
         to the front: no buffer; ``flat`` holds no gradient until :meth:`decode` gets this
@@ -611,22 +709,25 @@ class StepEngine:
         it with SUM.
         """
         started = time.perf_counter()
-        spec = self.buckets[b]
         xp = array_module(flat)
-        indices = self.packed_indices(b)
-        if self._apply_mask(b, flat, indices):
-            self.stats["dense_fallbacks"] += 1
-        self.stats["packed_reductions" if indices is not None else "dense_reductions"] += 1
-        self.stats["dense_elements_equivalent"] += spec.size
-        self.stats["dense_bytes_equivalent"] += spec.size * spec.dtype.itemsize
-        count = self._payload_count(b)
+        group = self._group(b if isinstance(b, tuple) else (b,))
+        if isinstance(b, tuple) and self.quantize == "ternary":
+            raise ValueError("ternary buckets are encoded one by one, not as a group")
+        for s, lo, hi in group.masked:
+            self.tracker.buckets[s].mask.zero_pruned(flat[lo:hi])
+        self.stats["dense_fallbacks"] += len(group.masked)
+        self.stats["packed_reductions"] += group.packed
+        self.stats["dense_reductions"] += len(group.key) // 2 - group.packed
+        self.stats["dense_elements_equivalent"] += group.size
+        self.stats["dense_bytes_equivalent"] += group.nbytes
+        indices, count = group.indices, group.count
         if self.quantize == "ternary" and count:
             wire, ctx = self._encode_ternary(b, xp, flat, indices, count)
         elif indices is not None and self.quantize is None and in_place:
             wire = kernels.compact(xp, flat, indices)
             ctx = Encoded(b, "compact", indices, self.generation, count=count)
         elif indices is not None or self.quantize == "fp16":
-            wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else spec.dtype
+            wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else flat.dtype
             wire = kernels.gather(xp, flat, indices, self._scratch(xp, count, wire_dtype))
             ctx = Encoded(b, "copy", indices, self.generation, count=count)
         else:
@@ -635,6 +736,16 @@ class StepEngine:
         self.stats["bytes_sent"] += wire.nbytes
         self.stats["pack_seconds"] += time.perf_counter() - started
         return wire, ctx
+
+    def _group(self, slots):
+        """The :class:`_Group` of buckets ``slots`` for their current packing and masks."""
+        states = [self.tracker.buckets[s] for s in slots]
+        key = [x for state in states for x in (state.packed, state.mask)]
+        group = self._groups.get(slots)
+        if group is None or not all(map(operator.is_, key, group.key)):
+            group = self._groups[slots] = _Group(slots, states, self.buckets, key, self.step)
+        group.step = self.step
+        return group
 
     def _encode_ternary(self, b, xp, flat, indices, count):
         scales = self._agreed_scales(b, flat)
@@ -716,8 +827,12 @@ class StepEngine:
         for _, table in self._tables.values():
             if table.nbytes():
                 add("indices", table.local)
+        for group in self._groups.values():
+            add("indices", group.indices)
         for snapshot, _ in self._snapshots.values():
             add("snapshots", snapshot)
+        for bits, _ in self._batches.values():
+            add("snapshots", bits)
         for (kind, _), buffer in self._buffers.items():
             add("words" if kind == "words" else "payloads", buffer)
         for (_, dtype), free in self._free.items():

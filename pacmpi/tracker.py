@@ -15,19 +15,27 @@ class BucketMaskState:
     """Tracker state of one bucket.
 
     ``mask`` is the last flat mask read, a :class:`pacmpi.bitmaps.Bitmap` (``None`` when no
-    array of the bucket is masked); ``indices`` the survivor positions
-    (:func:`pacmpi.bitmaps.index_dtype`) while the bucket is packed, else ``None``.
+    array of the bucket is masked); ``packed`` whether the bucket sends its survivors only;
+    ``indices`` their positions (:func:`pacmpi.bitmaps.index_dtype`), made from the mask when
+    first asked for (:meth:`positions`; a bucket sent in a group never needs its own), else
+    ``None``.
     """
 
     fingerprint: int = None
     survivors: int = 0
     stable_steps: int = 0
     mask: object = None
+    packed: bool = False
     indices: object = None
 
-    @property
-    def packed(self):
-        return self.indices is not None
+    def positions(self):
+        """The survivor positions while packed (made once), else ``None``."""
+        if self.packed and self.indices is None:
+            self.indices = self.mask.positions()
+        return self.indices
+
+    def pack(self, packed=True):
+        self.packed, self.indices = packed, None
 
 
 class MaskTracker:
@@ -71,7 +79,7 @@ class MaskTracker:
                 changed.append(b)
                 state.fingerprint, state.survivors = fingerprint, survivors
                 state.stable_steps = 0
-                state.indices = None
+                state.pack(False)
             else:
                 state.stable_steps += elapsed
         if changed:
@@ -82,7 +90,7 @@ class MaskTracker:
     def ready_to_pack(self, b):
         """True when bucket ``b`` is masked, not yet packed and stable long enough."""
         state = self.buckets[b]
-        return (state.mask is not None and state.indices is None
+        return (state.mask is not None and not state.packed
                 and state.stable_steps >= self.stable_steps
                 and state.survivors < state.mask.size)
 
@@ -95,14 +103,12 @@ class MaskTracker:
 
     def load_state_dict(self, state, masks):
         """Restore :meth:`state_dict` output with the current flat ``masks`` (whose
-        fingerprints the caller has checked); packed buckets recompute their survivors."""
+        fingerprints the caller has checked)."""
         self.version, self.last_commit_step = state["version"], state["last_commit_step"]
         for bucket, mask, saved in zip(self.buckets, masks, state["buckets"]):
             bucket.fingerprint, bucket.survivors = saved["fingerprint"], saved["survivors"]
             bucket.stable_steps, bucket.mask = saved["stable_steps"], mask
-            bucket.indices = None
-            if saved["packed"]:
-                bucket.indices = mask.positions()
+            bucket.pack(saved["packed"])
 
     def state_dict(self):
         return {

@@ -1,0 +1,168 @@
+"""Buckets sent as one group (a DDP bucket's parameters: one payload, one gather) and the
+verification's comparison of many small masks at once, on one process, against the bucket-by-
+bucket path and the masked identity; the multi-rank checks are the DDP scenarios
+(tests/mpi_scripts/ddp_scenarios.py: equality with DDP's all-reduce at 2 and 4 ranks, a mask
+moved on one rank raising everywhere, resync)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+from pacmpi import MPICollectives, kernels
+from pacmpi.adapters.masks import MaskBinding
+from pacmpi.arrays import supported_float_dtypes
+from pacmpi.engine import BucketSpec, StepEngine
+
+DTYPES = [d.name for d in supported_float_dtypes()]
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def route(request):
+    kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(None)
+
+
+def _engine(sizes, dtype, **kw):
+    specs = [BucketSpec(f"t{i}", np.dtype(dtype), n) for i, n in enumerate(sizes)]
+    return StepEngine(MPICollectives(comm=MPI.COMM_SELF), specs, **kw)
+
+
+def _bits(array):
+    """Bit patterns, so NaN compares equal to the same NaN."""
+    return array.view(f"u{array.dtype.itemsize}")
+
+
+member = st.tuples(st.integers(0, 40), st.sampled_from([None, 0.0, 0.3, 1.0]))
+
+
+@settings(max_examples=60, deadline=None,  # the route holds for every example
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(members=st.lists(member, min_size=1, max_size=8), dtype=st.sampled_from(DTYPES),
+       quantize=st.sampled_from([None, "fp16"]), in_place=st.booleans(),
+       stable_steps=st.integers(0, 1), nonfinite=st.booleans(), seed=st.integers(0, 2**31))
+def test_a_group_sends_and_restores_what_its_buckets_would_one_by_one(
+        route, members, dtype, quantize, in_place, stable_steps, nonfinite, seed):
+    """Members of any size (0 and 1 included), unmasked, with no survivor, some or all;
+    packed or sent dense with their mask (``stable_steps``); NaN and Inf among the values:
+    the group's payload is its members' payloads back to back, bit for bit, with the same
+    counters, and its decode leaves each member as the bucket's own decode does: the masked
+    gradient (float16's rounding with quantize="fp16")."""
+    rng = np.random.default_rng(seed)
+    sizes = [n for n, _ in members]
+    masks = [None if d is None else rng.random(n) < d for n, d in members]
+    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    options = dict(quantize=quantize, stable_steps=stable_steps)
+    grouped, alone = _engine(sizes, dtype, **options), _engine(sizes, dtype, **options)
+    slots = tuple(range(len(sizes)))
+    for step in range(2):
+        grad = rng.integers(-50, 50, size=int(offsets[-1])).astype(np.float32)
+        if nonfinite and grad.size:
+            grad[rng.integers(0, grad.size, size=2)] = [np.nan, np.inf]
+        grad = grad.astype(dtype)
+        for engine in (grouped, alone):
+            engine.begin_step(lambda: masks)
+        flat, each = grad.copy(), grad.copy()
+        wire, ctx = grouped.encode(slots, flat, in_place=in_place)
+        parts = [alone.encode(b, each[offsets[b]:offsets[b + 1]], in_place=in_place) + (b,)
+                 for b in slots]
+        np.testing.assert_array_equal(
+            _bits(wire), _bits(np.concatenate([w for w, _, _ in parts]).astype(wire.dtype)))
+        grouped.decode(wire, ctx, flat)
+        for w, c, b in parts:
+            alone.decode(w, c, each[offsets[b]:offsets[b + 1]])
+        np.testing.assert_array_equal(_bits(flat), _bits(each))
+        kept = np.concatenate([np.ones(n, bool) if m is None else m
+                               for n, m in zip(sizes, masks)] + [np.zeros(0, bool)])
+        wanted = np.where(kept, grad.astype(np.float16) if quantize else grad, 0).astype(dtype)
+        np.testing.assert_array_equal(_bits(flat), _bits(wanted))
+        for engine in (grouped, alone):
+            engine.end_step()
+    counters = ("bytes_sent", "packed_reductions", "dense_reductions", "dense_fallbacks",
+                "dense_elements_equivalent", "dense_bytes_equivalent")
+    assert {k: grouped.stats[k] for k in counters} == {k: alone.stats[k] for k in counters}
+
+
+def test_a_groups_positions_are_built_once_per_mask_change():
+    """The group's survivor positions are rebuilt when a member's mask changes, not per step;
+    a group not sent in a step lets go of them at its end (DDP rebuilt its buckets)."""
+    sizes = [30, 5, 40]
+    rng = np.random.default_rng(1)
+    masks = [rng.random(30) < 0.5, None, rng.random(40) < 0.5]
+    engine = _engine(sizes, np.float32, stable_steps=0)
+    grad = np.ones(75, np.float32)
+    built = []
+    for step in range(4):
+        if step == 2:
+            masks[2][:] = ~masks[2]
+        engine.begin_step(lambda: masks)
+        wire, ctx = engine.encode((0, 1, 2), grad.copy())
+        built.append(id(engine._groups[(0, 1, 2)]))
+        assert wire.size == masks[0].sum() + 5 + masks[2].sum()
+        engine.end_step()
+    assert built[0] == built[1] != built[2] == built[3], built
+    engine.begin_step(lambda: masks)
+    engine.encode((0,), grad[:30].copy())
+    engine.end_step()
+    assert list(engine._groups) == [(0,)]
+
+
+def test_a_ternary_group_is_refused():
+    engine = _engine([4, 4], np.float32, quantize="ternary")
+    engine.begin_step(lambda: [None, None])
+    with pytest.raises(ValueError, match="one by one"):
+        engine.encode((0, 1), np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("changed", [None, 0, 17, 39])
+def test_one_coordinate_moved_among_many_small_masks_is_seen(changed):
+    """Forty small masks (unmasked buckets between them) are compared a run at a time; moving
+    one coordinate of one of them in place changes that bucket's fingerprint only, and the
+    step then sends it dense with its new mask. ``None``: nothing moved (the control)."""
+    rng = np.random.default_rng(2)
+    sizes = [n for _ in range(40) for n in (int(rng.integers(1, 60)), 3)]
+    masks = [rng.random(n) < 0.5 if i % 2 == 0 else None for i, n in enumerate(sizes)]
+    engine = _engine(sizes, np.float32, stable_steps=1)
+    for _ in range(2):
+        engine.begin_step(lambda: masks)
+        engine.end_step()
+    before = [state.fingerprint for state in engine.tracker.buckets]
+    version = engine.tracker.version
+    if changed is not None:
+        mask = masks[2 * changed]
+        mask[0] = not mask[0]
+    engine.begin_step(lambda: masks)
+    after = [state.fingerprint for state in engine.tracker.buckets]
+    moved = [b for b, (x, y) in enumerate(zip(before, after)) if x != y]
+    assert moved == ([] if changed is None else [2 * changed])
+    assert engine.tracker.version == version + (changed is not None)
+    for b, state in enumerate(engine.tracker.buckets):
+        if masks[b] is not None:
+            np.testing.assert_array_equal(state.mask.unpack(), masks[b])
+            assert state.packed == (b not in moved)
+
+
+def test_mask_binding_reads_every_mask_as_one_by_one():
+    """MaskBinding.flats: boolean masks read in one concatenation, 0/1 float masks and a
+    channels-last parameter (memory order) one by one; the same arrays as flat(i)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(5, 6),
+                                torch.nn.Linear(6, 2))
+    model[0].to(memory_format=torch.channels_last)
+    gen = torch.Generator().manual_seed(0)
+    masks = {"0.weight": torch.rand(4, 3, 3, 3, generator=gen) < 0.5,
+             "1.weight": torch.rand(6, 5, generator=gen) < 0.5,
+             "1.bias": (torch.rand(6, generator=gen) < 0.5).float(),
+             "2.weight": torch.rand(2, 6, generator=gen) < 0.5}
+    binding = MaskBinding(list(model.named_parameters()), masks, model)
+    for memory_order in (False, True):
+        fused = binding.flats(memory_order)
+        for index, flat in enumerate(fused):
+            one = binding.flat(index, memory_order)
+            assert (flat is None) == (one is None)
+            if flat is not None:
+                assert flat.dtype == np.bool_
+                np.testing.assert_array_equal(flat, one)
+    masks["1.weight"][0, 0] = ~masks["1.weight"][0, 0]  # kept, not copied: seen next read
+    assert binding.flats()[2][0] == bool(masks["1.weight"][0, 0])
