@@ -11,14 +11,14 @@ Launch with torchrun (gloo on CPU, NCCL on GPU; ``dist.init_process_group()`` re
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py
 
 Each parameter is a bucket of a :class:`pacmpi.engine.StepEngine` (its mask's verification,
-packing, ternary codes, residuals), so results do not depend on DDP's bucketing (rebuilt after
-the first iterations, and started over by a resumed run). A DDP bucket's parameters are sent as
-one group: lossless, their survivors are moved to the front of the bucket's own buffer in place
-and that prefix is all-reduced (no payload buffer); float16, one cast copy; a step's cost then
-does not grow with the number of parameters in a bucket. Ternary parameters are encoded one by
-one (each its own scale and codes) and concatenated, one async all-reduce per payload dtype. A
-step begins at DDP bucket 0 and ends when its last bucket is decoded; an unfinished one is
-abandoned at the next bucket 0.
+packing, ternary scale, key and residual), so results do not depend on DDP's bucketing (rebuilt
+after the first iterations, and started over by a resumed run). A DDP bucket's parameters are
+sent as one group, one async all-reduce: lossless, their survivors moved to the front of the
+bucket's own buffer in place and that prefix all-reduced (no payload buffer); float16, one
+cast copy; ternary, the codes each parameter would send alone, back to back, with one MAX
+all-reduce for the scales. A step's cost then does not grow with the number of parameters in a
+bucket. A step begins at DDP bucket 0 and ends when its last bucket is decoded; an unfinished
+one is abandoned at the next bucket 0.
 
 bfloat16 buckets (bf16 models; DDP buckets hold one dtype, so bf16 weights beside float32
 norms work) travel as bfloat16 and are summed by the process group (NCCL natively; gloo adds
@@ -37,7 +37,6 @@ and the one after DDP rebuilds its buckets, on every rank at once -- is agreed b
 LayoutMismatchError together, from ``backward()``, before posting payloads of other sizes.
 """
 import contextlib
-import itertools
 import threading
 
 import torch
@@ -191,13 +190,13 @@ class PacTrainHookState:
             self.engine.begin_step(self._flat_masks, None, self._write_masks)
             self._current = []
         self._current.append((ids, slots))
-        if self.engine.quantize == "ternary":
-            payloads, parts = self._encode_each(buffer, slots)
-        else:  # one payload: the survivors moved to the bucket's front (or all of it)
-            flat = as_array(buffer)[:sum(self.engine.buckets[s].size for s in slots)]
-            with _on_stream(buffer), self._lock:
+        # One payload: lossless, the survivors moved to the bucket's front (or all of it).
+        flat = as_array(buffer)[:sum(self.engine.buckets[s].size for s in slots)]
+        with _on_stream(buffer):
+            self.engine.agree_scales({slots: flat})  # ternary: one MAX all-reduce
+            with self._lock:
                 wire, ctx = self.engine.encode(slots, flat, in_place=True)
-            payloads, parts = [as_tensor(wire)], [(wire, ctx, flat)]
+        payloads, parts = [as_tensor(wire)], [(wire, ctx, flat)]
         generation = self.engine.generation
         self._open.add(index)  # before _saw_last: a decode must not end the step early
         self._saw_last |= last
@@ -223,26 +222,6 @@ class PacTrainHookState:
             return buffer
 
         return torch.futures.collect_all(futures).then(finish)
-
-    def _encode_each(self, buffer, slots):
-        """Ternary: each parameter's payload (its own scales and codes), concatenated per
-        payload dtype; returns the payloads and ``(payload part, context, parameter view)``."""
-        ends = list(itertools.accumulate(self.engine.buckets[s].size for s in slots))
-        views = [as_array(buffer[e - self.engine.buckets[s].size:e]) for s, e in zip(slots, ends)]
-        with _on_stream(buffer):
-            self.engine.agree_scales(dict(zip(slots, views)))  # one MAX all-reduce
-            with self._lock:
-                encoded = [self.engine.encode(s, v) + (v,) for s, v in zip(slots, views)]
-        payloads, parts, groups = [], [], {}
-        for wire, ctx, view in encoded:
-            ctx.kind = "copy" if ctx.kind == "dense" else ctx.kind  # sent in the cat
-            groups.setdefault(wire.dtype, []).append((wire, ctx, view))
-        for items in groups.values():
-            payloads.append(torch.cat([as_tensor(wire) for wire, _, _ in items]))
-            ends = itertools.accumulate(wire.size for wire, _, _ in items)
-            parts += [(as_array(payloads[-1][e - w.size:e]), c, v)
-                      for e, (w, c, v) in zip(ends, items)]
-        return payloads, parts
 
     # ------------------------------------------------------------------ checkpoints, pickling
     def state_dict(self):

@@ -37,6 +37,7 @@ class MaskBinding:
                 if id(param) in index_of:
                     self._keys.setdefault(name, index_of[id(param)])
         self.masks = self.resolve(masks)
+        self._plans = {}  # memory_order -> what flats() reads in one concatenation
 
     def resolve(self, masks):
         """``masks`` (name -> mask) keyed by parameter index; raises naming bad keys."""
@@ -82,25 +83,40 @@ class MaskBinding:
 
     def flats(self, memory_order=False):
         """Every parameter's :meth:`flat`: boolean masks of the parameters' shape on their
-        device (of contiguous parameters, with ``memory_order``) read in one concatenation,
-        so reading them costs one call whatever their number; the others one by one."""
-        out, fused = [None] * len(self.params), []
+        device (of contiguous parameters, with ``memory_order``) read in one concatenation of
+        flat views made once, so reading them costs one call whatever their number; the others
+        one by one. The views are remade when a mask's storage moves (``mask.data = ...``) or
+        the masks are replaced."""
+        plan = self._plans.get(memory_order)
+        if plan is None or plan[0] is not self.masks or plan[1] != [
+                mask.data_ptr() for mask in plan[2]]:
+            plan = self._plans[memory_order] = self._read_plan(memory_order)
+        _, _, masks, views, slices, others = plan
+        out = [None] * len(self.params)
+        if views:
+            whole = as_array(torch.cat(views))
+            for index, start, stop in slices:
+                out[index] = whole[start:stop]
+        for index in others:
+            out[index] = self.flat(index, memory_order)
+        return out
+
+    def _read_plan(self, memory_order):
+        """``(masks, storage pointers, fused masks, their flat views, (index, start, stop) of
+        each in the concatenation, indices read one by one)``."""
+        fused, others, slices, start = [], [], [], 0
         for index, mask in self.masks.items():
             param = self.params[index]
             if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
                     and mask.device == param.device and mask.shape == param.shape
-                    and (not memory_order or param.is_contiguous())):
-                fused.append(index)
+                    and mask.is_contiguous() and (not memory_order or param.is_contiguous())):
+                fused.append(mask)
+                slices.append((index, start, start + mask.numel()))
+                start += mask.numel()
             else:
-                out[index] = self.flat(index, memory_order)
-        if fused:
-            whole = as_array(torch.cat([self.masks[i].reshape(-1) for i in fused]))
-            start = 0
-            for index in fused:
-                size = self.params[index].numel()
-                out[index] = whole[start:start + size]
-                start += size
-        return out
+                others.append(index)
+        return (self.masks, [mask.data_ptr() for mask in fused], fused,
+                [mask.view(-1) for mask in fused], slices, others)
 
     def store(self, index, flat, memory_order=False):
         """Write a flat mask (as :meth:`flat` returns it) into parameter ``index``'s mask."""

@@ -17,7 +17,9 @@ of the same model, all as ratios of the gradient bytes. Torch's own temporaries 
 with the given numbers of parameter tensors at about the same parameter count (the width
 shrinks as the layers multiply), weights pruned 0.5; plain DDP, the hook lossless and ternary;
 the mean step (forward, backward, the all-reduces) over ``--steps`` after warm-up steps, the
-slowest rank's, and pacmpi's own time in it (the hook's calls and its decodes).
+slowest rank's, and pacmpi's own time in it (the hook's calls and its decodes): wall time,
+which includes the verification all-reduce's wait for the slower rank, and CPU time (the
+hook's thread CPU time, ``time.thread_time``, plus its decodes), which does not.
 
 ``--device cuda`` (DDP only, NCCL, a GPU per rank): the same on CUDA tensors. ``peak`` is then
 the device memory above plain DDP's run of the same model: torch's peak allocation
@@ -111,17 +113,18 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
     from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
 
     ddp = DDP(model, gradient_as_bucket_view=True)
-    state, own = None, [0.0]
+    state, own = None, [0.0, 0.0]  # the hook's calls: wall and this thread's CPU seconds
     if mode != "plain":
         state = PacTrainHookState(model, _masks(model, density), quantize=MODES[mode],
                                   error_feedback=mode == "ternary")  # its largest case
 
         def hook(state, bucket):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 return pactrain_hook(state, bucket)
             finally:
                 own[0] += time.perf_counter() - started
+                own[1] += time.thread_time() - cpu
 
         ddp.register_comm_hook(state, hook)
     width, device = model[0].in_features, model[0].weight.device
@@ -131,18 +134,20 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
     seconds = []
     for i in range(warmup + steps):
         dist.barrier()
-        own_before = own[0] + (state.stats["unpack_seconds"] if state and state.engine else 0)
+        decoded = state.stats["unpack_seconds"] if state and state.engine else 0
+        own_before = [own[0] + decoded, own[1] + decoded]
         started = time.perf_counter()
         ddp(inputs).square().mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
-        own_after = own[0] + (state.stats["unpack_seconds"] if state else 0)
+        decoded = state.stats["unpack_seconds"] if state else 0
+        own_after = [own[0] + decoded, own[1] + decoded]
         if i >= warmup:
-            seconds.append((elapsed, own_after - own_before))
+            seconds.append((elapsed, *np.subtract(own_after, own_before)))
         model.zero_grad(set_to_none=False)
-    step, mine = np.mean(seconds, axis=0) if seconds else (0.0, 0.0)
-    return (state.engine if state else None), float(step), float(mine)
+    step, mine, cpu = np.mean(seconds, axis=0) if seconds else (0.0, 0.0, 0.0)
+    return (state.engine if state else None), float(step), float(mine), float(cpu)
 
 
 def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
@@ -156,7 +161,7 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
         for mode in ("plain",) + tuple(modes):
             model = _stack(layers, width, device=device)
             peak = (DevicePeak() if device == "cuda" else ResidentPeak()).start()
-            engine, _, _ = _ddp_run(dist, model, density, mode, steps)
+            engine = _ddp_run(dist, model, density, mode, steps)[0]
             peaks = peak.stop()
             report = engine.memory_report() if engine else {}
             del engine
@@ -185,9 +190,9 @@ def _max_over_ranks(dist, row):
 
 def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossless",
                                                                    "ternary"), device="cpu"):
-    """Rows per (tensors, mode): ms per step and pacmpi's ms in it (slowest rank's). The
-    first count uses ``Linear(width, width)``; the others the width giving about the same
-    parameter count."""
+    """Rows per (tensors, mode): ms per step, pacmpi's ms in it and its CPU ms (slowest
+    rank's). The first count uses ``Linear(width, width)``; the others the width giving about
+    the same parameter count."""
     torch.set_num_threads(1)
     layers0 = tensors[0] // 2
     params = layers0 * (width * width + width)
@@ -197,13 +202,14 @@ def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossl
         w = width if count == tensors[0] else _width_for(params // layers)
         for mode in modes:
             model = _stack(layers, w, device=device)
-            _, step, mine = _ddp_run(dist, model, 0.5, mode, steps, timed=True)
-            times = torch.tensor([step, mine], dtype=torch.float64, device=_comm_device(dist))
+            times = _ddp_run(dist, model, 0.5, mode, steps, timed=True)[1:]
+            times = torch.tensor(times, dtype=torch.float64, device=_comm_device(dist))
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            step, mine, cpu = (t * 1e3 for t in times.tolist())
             rows.append({"tensors": count, "layers": layers, "width": w,
                          "params": sum(p.numel() for p in model.parameters()), "mode": mode,
-                         "step_ms": times[0].item() * 1e3,
-                         "pacmpi_ms": times[1].item() * 1e3 if mode != "plain" else None})
+                         "step_ms": step, "pacmpi_ms": mine if mode != "plain" else None,
+                         "pacmpi_cpu_ms": cpu if mode != "plain" else None})
     return rows
 
 
@@ -216,7 +222,7 @@ def format_time_table(rows):
     return harness.format_table(rows, [
         ("tensors", "tensors", ">7"), ("layers", "layers", ">6"), ("width", "width", ">5"),
         ("params", "params", ">8"), ("mode", "mode", "<8"), ("step(ms)", "step_ms", ">9.2f"),
-        ("pacmpi(ms)", "pacmpi_ms", ">10.2f")])
+        ("pacmpi(ms)", "pacmpi_ms", ">10.2f"), ("cpu(ms)", "pacmpi_cpu_ms", ">8.2f")])
 
 
 # ---------------------------------------------------------------- Horovod

@@ -14,6 +14,9 @@ single tensors, a DDP communication hook over DDP buckets) maps its unit of work
 
 The front end runs the payload's all-reduce itself (MPI ``Iallreduce``, Horovod's background
 thread, a DDP future): ``encode`` returns the payload and a context, ``decode`` takes both back.
+Buckets whose arrays lie back to back (a DDP bucket's parameters) can be encoded as one *group*:
+each keeps its own mask, scale, key and residual, and the group's payload is theirs back to
+back, built in a few calls whatever their number.
 """
 import math
 import operator
@@ -91,6 +94,11 @@ class Encoded:
     scratch: object = None
 
 
+def _unit(u):
+    """A bucket index, or a tuple of several (a group); a tuple of one is its bucket."""
+    return u[0] if isinstance(u, tuple) and len(u) == 1 else u
+
+
 class _Group:
     """Buckets whose flat arrays lie back to back in one array (a DDP bucket's parameters),
     sent as one payload: ``indices`` their survivors' positions in that array (``None``: every
@@ -98,29 +106,31 @@ class _Group:
     members. Built when a member's packing or mask changes (``key``), not per step;
     ``masked``: ``(bucket, start, stop)`` of the members sent dense with a mask to apply."""
 
-    __slots__ = ("key", "indices", "masked", "count", "packed", "size", "nbytes", "step")
+    __slots__ = ("slots", "key", "indices", "masked", "count", "packed", "size", "nbytes",
+                 "offsets", "step", "epoch", "table")
 
     def __init__(self, slots, states, specs, key, step):
         sizes = [specs[s].size for s in slots]
         offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self.key, self.step, self.size = key, step, int(offsets[-1])
+        self.slots, self.key, self.step, self.size = slots, key, step, int(offsets[-1])
+        self.offsets, self.table = offsets, None  # table: the ternary SegmentTable, when asked
         self.nbytes = sum(specs[s].size * specs[s].dtype.itemsize for s in slots)
         self.packed = sum(state.packed for state in states)
-        self.masked = [(s, int(lo), int(lo) + n) for s, state, lo, n in
-                       zip(slots, states, offsets, sizes)
+        counts = [state.survivors if state.packed else n for state, n in zip(states, sizes)]
+        starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        # (bucket, start, stop in the group's array, start in its payload)
+        self.masked = [(s, int(lo), int(lo) + n, int(at)) for s, state, lo, n, at in
+                       zip(slots, states, offsets, sizes, starts)
                        if not state.packed and state.mask is not None and state.survivors < n]
         self.indices = states[0].positions() if len(slots) == 1 else None
         if len(slots) > 1 and self.packed:
             # Built from each member's mask: the members need no positions of their own.
             xp = next(state.mask.xp for state in states if state.packed)
-            counts = [state.survivors if state.packed else n for state, n in zip(states, sizes)]
-            self.indices = xp.empty(sum(counts), dtype=index_dtype(self.size))
-            start = 0
-            for state, lo, n, count in zip(states, offsets, sizes, counts):
-                part = self.indices[start:start + count]
+            self.indices = xp.empty(int(starts[-1]), dtype=index_dtype(self.size))
+            for state, lo, n, at, count in zip(states, offsets, sizes, starts, counts):
+                part = self.indices[at:at + count]
                 part[...] = state.mask.positions() if state.packed else xp.arange(n)
                 part += part.dtype.type(lo)
-                start += count
         self.count = self.size if self.indices is None else int(self.indices.size)
 
 
@@ -227,6 +237,7 @@ class StepEngine:
         self.word_dtype = word_dtype
         self.step = 0
         self.generation = 0
+        self._epoch = 0  # counts the tracker's changes (verifications, checkpoint loads)
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._residuals = {}
         self._scales = {}
@@ -238,12 +249,12 @@ class StepEngine:
 
     # Reusable buffers (kept per key; lent per payload: free ones by (module, dtype), lent ones
     # by id of the payload until its encode returns), the last agreed mask snapshots with
-    # their fingerprints, the segment tables (bucket -> (survivor indices, table)), the
-    # groups (buckets tuple -> _Group), the small masks' batches (buckets tuple -> (their
+    # their fingerprints, the groups (buckets tuple -> _Group, with its segment table), the
+    # small masks' batches (buckets tuple -> (their
     # bits read together, the snapshots they matched)) and the verification's digests (what
     # was digested -> digest): dicts rebuilt on demand, so never pickled.
-    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots", "_tables", "_groups",
-               "_batches", "_digests")
+    _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots", "_groups", "_batches",
+               "_digests")
 
     def _clear_caches(self):
         for name in self._CACHES:
@@ -309,9 +320,9 @@ class StepEngine:
             self.stats["resyncs"] += 1
         self.tracker.commit(self.step, observations, flats)
         if not masks_differ:
-            for b, state in enumerate(self.tracker.buckets):
-                if self.tracker.ready_to_pack(b):
-                    state.pack()
+            self.tracker.pack_ready()
+        self._epoch += 1  # the groups check their packing again
+        if not masks_differ:
             # The scales hold where each bucket is sent as it was when they were computed.
             self._scales = {b: self._agreed_fields(b, maxima) for b, indices in fused.items()
                             if self.packed_indices(b) is indices}
@@ -348,18 +359,23 @@ class StepEngine:
             scales[s] = _bits_float(maxima[f"scale{b}.{s}"])
         return scales
 
-    def segment_table(self, b):
-        """Bucket ``b``'s :class:`pacmpi.segments.SegmentTable` for its current survivors
-        (one segment with ``ternary_scale="bucket"``): built when they change, not per step."""
-        indices = self.packed_indices(b)
-        cached = self._tables.get(b)
-        if cached is None or cached[0] is not indices:
-            spec = self.buckets[b]
-            sizes = spec.segments if self.ternary_scale == "tensor" and spec.segments \
-                else (spec.size,)
+    def segment_table(self, u):
+        """The :class:`pacmpi.segments.SegmentTable` of bucket ``u`` (its tensors; one segment
+        with ``ternary_scale="bucket"``) or of group ``u`` (a tuple: one segment per member)
+        for their current survivors: built when they change, not per step."""
+        group = self._group_of(u)
+        if group.table is None:
+            if isinstance(u, tuple):
+                if any(self.buckets[s].segments for s in u):
+                    raise ValueError("the buckets of a group hold one tensor each")
+                sizes = [self.buckets[s].size for s in u]
+            else:
+                spec = self.buckets[u]
+                sizes = spec.segments if self.ternary_scale == "tensor" and spec.segments \
+                    else (spec.size,)
             digits = self.codec.digits_per_word if self.codec is not None else 1
-            cached = self._tables[b] = (indices, SegmentTable(sizes, indices, digits))
-        return cached[1]
+            group.table = SegmentTable(sizes, group.indices, digits)
+        return group.table
 
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
@@ -416,9 +432,14 @@ class StepEngine:
         fingerprint; the snapshot (a :class:`pacmpi.bitmaps.Bitmap`: 1 bit per coordinate),
         not the caller's array, is what the step packs with.
         """
-        snapshots, observations = [], []
         runs = list(self._mask_batches(flats))
         unchanged = self._unchanged(runs)
+        unmasked = [b for b, flat in enumerate(flats) if flat is None]
+        last = self._digests.get("observed")
+        if last is not None and last[0] == unmasked and len(unchanged) + len(unmasked) == len(
+                flats):  # every mask as its snapshot, as at the last read: its result holds
+            return last[1], last[2]
+        snapshots, observations = [], []
         for b, flat in enumerate(flats):
             previous = self._snapshots.get(b)
             if flat is None:
@@ -437,6 +458,7 @@ class StepEngine:
             observations.append(previous[1])
         # Each run kept with the snapshots its masks now match.
         self._batches = {run: (bits, [self._snapshots[b][0] for b in run]) for run, bits in runs}
+        self._digests["observed"] = (unmasked, snapshots, observations)
         return snapshots, observations
 
     def _mask_batches(self, flats):
@@ -480,13 +502,10 @@ class StepEngine:
             "scales": (TERNARY_SCALES.index(self.ternary_scale) + 1
                        if self.quantize == "ternary" else 0),
             "word": 0 if self.codec is None else self.codec.word_dtype.num,
-            "survivors": sum(b.size if s is None else s
-                             for b, (_, s) in zip(self.buckets, observations)),
             "version": self.tracker.version,
         }
         fields.update(self._layout_fields())
-        fields.update(zip(("mask0", "mask1", "mask2", "mask3"),
-                          self._masks_digest(observations)))
+        fields.update(self._mask_fields(observations))
         return fields
 
     def _layout_fields(self):
@@ -500,13 +519,20 @@ class StepEngine:
                 elements=sum(b.size for b in self.buckets))
         return self._digests["layout"]
 
-    def _masks_digest(self, observations):
-        """Digest of the observations, kept for the next step's (mostly the same ones)."""
-        values = tuple(o for pair in observations for o in pair)
+    def _mask_fields(self, observations):
+        """The survivor count and the observations' digest, kept for the next step's (mostly
+        the very same list: :meth:`_observe` returns it again when no mask changed)."""
         cached = self._digests.get("masks")
-        if cached is None or cached[0] != values:
-            cached = self._digests["masks"] = (values, digest_ints(values))
-        return cached[1]
+        if cached is not None and cached[0] is observations:
+            return cached[2]
+        values = tuple(o for pair in observations for o in pair)
+        if cached is None or cached[1] != values:
+            fields = dict(zip(("mask0", "mask1", "mask2", "mask3"), digest_ints(values)),
+                          survivors=sum(b.size if s is None else s
+                                        for b, (_, s) in zip(self.buckets, observations)))
+            cached = (observations, values, fields)
+        self._digests["masks"] = (observations, cached[1], cached[2])
+        return cached[2]
 
     def _descriptor(self, observations):
         return {
@@ -574,9 +600,11 @@ class StepEngine:
         """Survivor positions of bucket ``b`` while it is packed, else ``None``."""
         return self.tracker.buckets[b].positions()
 
-    def _payload_count(self, b):
-        state = self.tracker.buckets[b]
-        return state.survivors if state.packed else self.buckets[b].size
+    def _payload_count(self, u):
+        if isinstance(u, tuple):
+            return self._group(u).count
+        state = self.tracker.buckets[u]
+        return state.survivors if state.packed else self.buckets[u].size
 
     def _buffer(self, xp, key, size, dtype):
         buf = self._buffers.get(key)
@@ -628,11 +656,14 @@ class StepEngine:
     def agree_scales(self, flats):
         """Ternary only: agree on the scales of several buckets in one MAX all-reduce.
 
-        ``flats`` maps bucket index -> flat gradient; :meth:`encode` of those buckets in this
-        step then needs no collective of its own.
+        ``flats`` maps bucket index (or group: a tuple of them) -> flat gradient;
+        :meth:`encode` of those buckets in this step then needs no collective of its own.
         """
+        if self.quantize != "ternary":
+            return
+        flats = {_unit(u): flat for u, flat in flats.items()}
         order = [b for b in sorted(flats) if self._payload_count(b) and b not in self._scales]
-        if self.quantize != "ternary" or not order:
+        if not order:
             return
         local = [self._local_scale(b, flats[b]) for b in order]
         agreed = np.concatenate(local)
@@ -646,17 +677,23 @@ class StepEngine:
         scales = self._scales.pop(b, None)
         if scales is None:
             scales = self._local_scale(b, flat)
-            self._agree(scales, name=f"pacmpi.scale.{self.buckets[b].name}")
+            self._agree(scales, name=f"pacmpi.scale.{self._name(b)}")
         return scales
+
+    def _name(self, u):
+        """Bucket or group ``u``'s name in collectives and messages."""
+        if not isinstance(u, tuple):
+            return self.buckets[u].name
+        return self.buckets[u[0]].name + (f"+{len(u) - 1}" if len(u) > 1 else "")
 
     def _local_scale(self, b, flat):
         """This rank's part of bucket ``b``'s scales, before the MAX over ranks: per segment,
         its max |gradient + residual| over what the bucket sends (masking first on the dense
         path, a no-op for the steady buckets of :meth:`_steady_buckets`)."""
         xp = array_module(flat)
-        indices = self.packed_indices(b)
-        self._apply_mask(b, flat, indices)
-        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype), indices)
+        self._apply_mask(b, flat)
+        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype),
+                                      self._group_of(b).indices)
         return self.segment_table(b).absmax(xp, flat, residual)
 
     def _agree(self, local, name):
@@ -670,30 +707,73 @@ class StepEngine:
         count = local.size
         local[...] = np.where(buf[count:] > 0, np.inf, buf[:count])
 
-    def _apply_mask(self, b, flat, indices):
-        """GSE on the dense path: pruned coordinates of a masked bucket become exactly 0.
-        (copyto, not multiply: NaN * 0 is NaN.) Packed buckets never send them."""
-        state = self.tracker.buckets[b]
-        if indices is None and state.mask is not None and state.survivors < flat.size:
-            state.mask.zero_pruned(flat)
-            return True
-        return False
+    def _group_of(self, u):
+        return self._group(u if isinstance(u, tuple) else (u,))
 
-    def _residual_for(self, b, xp, compute, indices):
+    def _apply_mask(self, u, flat):
+        """GSE on the dense path: pruned coordinates of the masked buckets of ``u`` (a bucket
+        or a group) sent dense become exactly 0 (copyto, not multiply: NaN * 0 is NaN);
+        packed buckets never send them. Returns how many buckets that was."""
+        group = self._group_of(u)
+        for s, lo, hi, _ in group.masked:
+            self.tracker.buckets[s].mask.zero_pruned(flat[lo:hi])
+        return len(group.masked)
+
+    def _residual_for(self, u, xp, compute, indices):
+        """The error-feedback residual of ``u`` (a bucket or a group: one array over the
+        group, aligned with its payload) for the payload positions ``indices``."""
         if not self.error_feedback:
             return None
-        size = self.buckets[b].size
-        entry = self._residuals.get(b)
-        if entry is None or entry.values.dtype != compute:
-            entry = _Residual(xp.zeros(size, dtype=compute), None)
-            self._residuals[b] = entry
+        group = self._group_of(u)
+        entry = self._residuals.get(u)
+        if entry is None:
+            entry = self._gathered_residual(u if isinstance(u, tuple) else (u,), xp)
+        if entry is None or entry.values.dtype != compute:  # zeros, laid out as the payload
+            entry = _Residual(xp.zeros(group.size if indices is None else indices.size,
+                                       dtype=compute), indices)
+            self._residuals[u] = entry
         elif array_module(entry.values) is not xp:  # restored from a checkpoint (host)
             entry.values, entry.spare = xp.asarray(to_host(entry.values)), None
-        values = entry.aligned(xp, indices, size)
-        if indices is None and self.tracker.buckets[b].mask is not None:
+        values = entry.aligned(xp, indices, group.size)
+        for s, lo, hi, at in group.masked:
             # Residuals of coordinates a new mask prunes are dropped with them.
-            self.tracker.buckets[b].mask.zero_pruned(values)
+            self.tracker.buckets[s].mask.zero_pruned(values[at:at + hi - lo])
         return values
+
+    def _gathered_residual(self, slots, xp):
+        """The residual of bucket or group ``slots`` from its members' (kept per bucket, or by
+        the groups they were in before DDP rebuilt its buckets), which it replaces; None if
+        none."""
+        for key in [k for k in self._residuals if isinstance(k, tuple) and set(k) & set(slots)]:
+            for s, full in self._split_residual(key):  # views: copied once, into the group
+                self._residuals[s] = _Residual(full, None)
+            del self._residuals[key]
+        if len(slots) == 1:
+            entry = self._residuals.get(slots[0])
+            if entry is not None and entry.values.base is not None:
+                entry.values = entry.values.copy()  # a view would keep its old group's array
+            return entry
+        found = [s for s in slots if s in self._residuals]
+        if not found:
+            return None
+        first = self._residuals[found[0]].values
+        group = self._group(slots)
+        full = array_module(first).zeros(group.size, dtype=first.dtype)
+        for s, lo in zip(slots, group.offsets):
+            entry = self._residuals.pop(s, None)
+            if entry is not None:
+                full[lo:lo + self.buckets[s].size] = entry.full(array_module(first),
+                                                                self.buckets[s].size)
+        entry = self._residuals[slots] = _Residual(xp.asarray(full), None)
+        return entry
+
+    def _split_residual(self, key):
+        """``(bucket, full-length residual view)`` of each member of group ``key``'s entry."""
+        entry = self._residuals[key]
+        sizes = [self.buckets[s].size for s in key]
+        full = entry.full(array_module(entry.values), sum(sizes))
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [(s, full[lo:lo + n]) for s, lo, n in zip(key, offsets, sizes)]
 
     def encode(self, b, flat, in_place=False):
         """Payload of bucket ``b`` from its flat gradient (which may be modified in place:
@@ -701,7 +781,8 @@ class StepEngine:
 
         ``b`` may be a tuple of buckets whose flat arrays lie back to back in ``flat``, in that
         order (a group: a DDP bucket's parameters): their payloads are sent as one, built in one
-        call whatever their number (lossless and float16; ternary buckets one by one).
+        call whatever their number; ternary: each member its own scale (:meth:`agree_scales`
+        of the group first, or one all-reduce here) and key.
         The payload is ``flat`` itself (dense lossless: reduce it in place), with
         ``in_place=True`` a packed lossless bucket's ``flat[:survivors]`` (its survivors moved
         to the front: no buffer; ``flat`` holds no gradient until :meth:`decode` gets this
@@ -709,13 +790,10 @@ class StepEngine:
         it with SUM.
         """
         started = time.perf_counter()
+        b = _unit(b)
         xp = array_module(flat)
-        group = self._group(b if isinstance(b, tuple) else (b,))
-        if isinstance(b, tuple) and self.quantize == "ternary":
-            raise ValueError("ternary buckets are encoded one by one, not as a group")
-        for s, lo, hi in group.masked:
-            self.tracker.buckets[s].mask.zero_pruned(flat[lo:hi])
-        self.stats["dense_fallbacks"] += len(group.masked)
+        group = self._group_of(b)
+        self.stats["dense_fallbacks"] += self._apply_mask(b, flat)
         self.stats["packed_reductions"] += group.packed
         self.stats["dense_reductions"] += len(group.key) // 2 - group.packed
         self.stats["dense_elements_equivalent"] += group.size
@@ -738,12 +816,16 @@ class StepEngine:
         return wire, ctx
 
     def _group(self, slots):
-        """The :class:`_Group` of buckets ``slots`` for their current packing and masks."""
-        states = [self.tracker.buckets[s] for s in slots]
-        key = [x for state in states for x in (state.packed, state.mask)]
+        """The :class:`_Group` of buckets ``slots`` for their current packing and masks
+        (checked against them once per verification: only a verification changes them)."""
         group = self._groups.get(slots)
-        if group is None or not all(map(operator.is_, key, group.key)):
-            group = self._groups[slots] = _Group(slots, states, self.buckets, key, self.step)
+        if group is None or group.epoch != self._epoch:
+            states = [self.tracker.buckets[s] for s in slots]
+            key = [x for state in states for x in (state.packed, state.mask)]
+            if group is None or not all(map(operator.is_, key, group.key)):
+                group = self._groups[slots] = _Group(slots, states, self.buckets, key,
+                                                     self.step)
+            group.epoch = self._epoch
         group.step = self.step
         return group
 
@@ -779,7 +861,8 @@ class StepEngine:
             if entry.spare is None or entry.spare.size != residual.size:
                 entry.spare = xp.empty(residual.size, dtype=residual.dtype)
             new_residual = entry.spare
-        key = ternary_key(self.seed, self.step, b, self.collectives.rank)
+        members = np.array(b, dtype=np.uint64) if isinstance(b, tuple) else b
+        key = ternary_key(self.seed, self.step, members, self.collectives.rank)
         words = self._scratch(xp, table.words, self.codec.word_dtype)
         table.encode(xp, flat, residual, new_residual, scales, key, self.codec, words, compact)
         return words, new_residual
@@ -824,9 +907,6 @@ class StepEngine:
         for state in self.tracker.buckets:
             add("indices", state.indices)
             add("snapshots", state.mask)
-        for _, table in self._tables.values():
-            if table.nbytes():
-                add("indices", table.local)
         for group in self._groups.values():
             add("indices", group.indices)
         for snapshot, _ in self._snapshots.values():
@@ -851,11 +931,18 @@ class StepEngine:
             "quantize": self.quantize,
             "world_size": self.collectives.size,
             "tracker": self.tracker.state_dict(),
-            "residuals": {b: to_host(entry.full(array_module(entry.values),
-                                                self.buckets[b].size)).copy()
-                          for b, entry in self._residuals.items()},
+            "residuals": dict(sorted(self._full_residuals(), key=lambda item: item[0])),
             "stats": dict(self.stats),
         }
+
+    def _full_residuals(self):
+        """``(bucket, full-length host residual)`` of every bucket that has one."""
+        for u, entry in self._residuals.items():
+            if isinstance(u, tuple):
+                yield from ((s, to_host(full).copy()) for s, full in self._split_residual(u))
+            else:
+                yield u, to_host(entry.full(array_module(entry.values),
+                                            self.buckets[u].size)).copy()
 
     def loader(self, state, flats):
         """Check :meth:`state_dict` output against this engine and the current flat masks
@@ -888,6 +975,7 @@ class StepEngine:
                               "per-rank and start from zero at another world size",
                               RuntimeWarning, stacklevel=4)
             self.tracker = tracker
+            self._epoch += 1
             self._residuals = ({int(b): _Residual(np.asarray(r), None)
                                 for b, r in state["residuals"].items()} if same_world else {})
             self.step = state["step"]

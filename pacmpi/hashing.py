@@ -105,8 +105,10 @@ def uniform(xp, count, key):
 
 def uniform_from(key, start):
     """The key whose :func:`uniform` number ``j`` is ``key``'s number ``start + j``: the
-    counter starts at the low key word, so moving it moves the stream (the high word stays)."""
-    return (key & ~0xFFFFFFFF) | ((key + start) & 0xFFFFFFFF)
+    counter starts at the low key word, so moving it moves the stream (the high word stays).
+    Elementwise on uint64 arrays too."""
+    low = 0xFFFFFFFF
+    return (key - (key & low)) | ((key + start) & low)
 
 
 def digest_ints(values):

@@ -160,7 +160,7 @@ class HierarchicalEngine(StepEngine):
         max |node sum + residual| per segment (0.0 on other ranks)."""
         xp = array_module(flat)
         indices = self.packed_indices(b)
-        self._apply_mask(b, flat, indices)
+        self._apply_mask(b, flat)
         compute = kernels.compute_dtype(flat.dtype)
         total = kernels.gather(xp, flat, indices,
                                self._buffer(xp, ("node", b), self._payload_count(b), compute))

@@ -11,7 +11,9 @@ holds one segment's digits (at most one word of padding per segment), so the one
 of :mod:`pacmpi.kernels` encode and decode each segment as they would a bucket, and the
 reference kernel stays the oracle of every route. Random number ``j`` of a segment is number
 ``start + j`` of the bucket's key (:func:`pacmpi.hashing.uniform_from`): with equal scales the
-codes are those of one scale, and a table of one segment is today's bucket bit for bit.
+codes are those of one scale, and a table of one segment is today's bucket bit for bit. A
+group of buckets (a DDP bucket's parameters) is a table of one segment per bucket, each with
+its bucket's own key: the codes each bucket would send alone.
 """
 import numpy as np
 
@@ -29,75 +31,105 @@ class SegmentTable:
     ``indices``: the survivors' ascending positions in the bucket, ``None`` for a bucket sent
     dense; ``digits``: digits per word of the codec. Attributes (host int64 arrays of one more
     entry than segments): ``offsets`` in the bucket, ``starts`` in the payload, ``word_starts``
-    in the words; ``words`` the payload's word count; ``local``: the survivor positions relative
-    to their tensor's offset (``indices`` itself for one segment; ``None`` when dense).
+    in the words; ``words`` the payload's word count. A segment done on its own reads the
+    bucket through its slice of ``indices`` and decodes into its tensor through positions
+    rebased to it, made for that call only: the table keeps no copy of the positions.
+
+    On the Numba route the segments with fewer than its ``SERIAL_BELOW`` values are done in one
+    serial call for all of them (:func:`pacmpi.kernels.segments_module`), so a bucket of many
+    small tensors costs a few calls, not a few per tensor; larger segments, and every segment
+    on the reference and CuPy routes, one call each.
     """
 
     def __init__(self, sizes, indices, digits):
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.indices = indices
         if indices is None:
-            self.starts, self.local = self.offsets, None
+            self.starts = self.offsets
         else:
             xp = array_module(indices)
             self.starts = to_host(xp.searchsorted(indices, xp.asarray(self.offsets)))
             self.starts = self.starts.astype(np.int64)
-            self.local = indices
-            if len(sizes) > 1:
-                shift = xp.asarray(np.repeat(self.offsets[:-1], np.diff(self.starts)))
-                self.local = indices - shift.astype(indices.dtype)
-        counts = np.diff(self.starts)
-        self.word_starts = np.concatenate([[0], np.cumsum(-(-counts // digits))])
+        self.counts = np.diff(self.starts)
+        self.word_starts = np.concatenate([[0], np.cumsum(-(-self.counts // digits))])
         self.words = int(self.word_starts[-1])
-        self.filled = np.flatnonzero(counts)  # segments with a survivor: the ones with a scale
+        self.filled = np.flatnonzero(self.counts)  # segments with a survivor: the ones with a scale
 
     def __len__(self):
         return self.offsets.size - 1
 
+    def _split(self, fused, segments):
+        """``segments`` as (the ones for one serial call, the ones done one by one)."""
+        if fused is None:
+            return segments[:0], segments
+        small = self.counts[segments] < fused.SERIAL_BELOW
+        return segments[small], segments[~small]
+
     def _values(self, flat, residual, compact, s):
-        """Segment ``s``'s part of ``flat`` (compact: already laid out as the payload) with its
-        survivor positions in that part, and its part of the payload-aligned residual."""
+        """What segment ``s`` reads: ``flat`` (compact: already laid out as the payload) or
+        its part, the survivor positions in that, and its part of the payload-aligned
+        residual."""
         s0, s1 = self.starts[s], self.starts[s + 1]
         part = None if residual is None else residual[s0:s1]
-        if self.local is None or compact:
+        if self.indices is None or compact:
             return flat[s0:s1], None, part
-        return flat[self.offsets[s]:self.offsets[s + 1]], self.local[s0:s1], part
+        return flat, self.indices[s0:s1], part
 
     def absmax(self, xp, flat, residual, compact=False):
         """Per segment ``max |flat + residual|`` over its survivors (float64, 0.0 when it has
         none; NaN or Inf when a value is not finite)."""
         maxima = np.zeros(len(self))
-        for s in self.filled:
+        indices = None if compact else self.indices
+        fused = kernels.segments_module(xp, flat, indices, residual)
+        together, alone = self._split(fused, self.filled)
+        if together.size:
+            fused.absmax_segments(flat, indices, residual, self.starts, together, maxima)
+        for s in alone:
             maxima[s] = kernels.absmax(xp, *self._values(flat, residual, compact, s))
         return maxima
 
     def encode(self, xp, flat, residual_in, residual_out, scales, key, codec, words,
                compact=False):
         """:func:`pacmpi.kernels.ternary_encode` of each segment with its scale into its words
-        (``words``: :attr:`words` of them); ``residual_out`` as there (None: not kept)."""
-        for s in self.filled:
+        (``words``: :attr:`words` of them); ``residual_out`` as there (None: not kept).
+        ``key``: the bucket's (segment ``s`` draws its numbers from ``starts[s]`` on), or a
+        uint64 array of one key per segment (a group's members, each from 0)."""
+        indices = None if compact else self.indices
+        keys = key if isinstance(key, np.ndarray) else \
+            uniform_from(key, self.starts[:-1].astype(np.uint64))
+        fused = kernels.segments_module(xp, flat, indices, residual_in, residual_out, words)
+        together, alone = self._split(fused, self.filled)
+        if together.size:
+            fused.ternary_encode_segments(
+                flat, indices, residual_in, residual_out, np.asarray(scales, np.float64),
+                keys, codec, words, self.starts, self.word_starts, together)
+        for s in alone:
             part, local, residual = self._values(flat, residual_in, compact, s)
             out = None if residual_out is None else \
                 residual_out[self.starts[s]:self.starts[s + 1]]
             kernels.ternary_encode(xp, part, local, residual, out, float(scales[s]),
-                                   uniform_from(key, int(self.starts[s])), codec,
+                                   int(keys[s]), codec,
                                    words[self.word_starts[s]:self.word_starts[s + 1]])
         return words
 
     def decode(self, xp, words, codec, ranks, scales, divisor, flat):
         """:func:`pacmpi.kernels.ternary_decode` of each segment into its tensor's part of the
         bucket's ``flat`` (pruned coordinates, and tensors without survivors, exactly 0)."""
-        for s in range(len(self)):
+        fused = kernels.segments_module(xp, words, self.indices, flat)
+        together, alone = self._split(fused, np.arange(len(self)))
+        if together.size:
+            fused.ternary_decode_segments(words, codec, ranks, np.asarray(scales, np.float64),
+                                          divisor, self.indices, flat, self.offsets,
+                                          self.starts, self.word_starts, together)
+        for s in alone:
             target = flat[self.offsets[s]:self.offsets[s + 1]]
             if self.starts[s] == self.starts[s + 1]:
                 target[...] = 0
                 continue
-            local = None if self.local is None else \
-                self.local[self.starts[s]:self.starts[s + 1]]
+            local = None if self.indices is None else \
+                self.indices[self.starts[s]:self.starts[s + 1]] - \
+                self.indices.dtype.type(self.offsets[s])  # for this call only
             kernels.ternary_decode(xp, words[self.word_starts[s]:self.word_starts[s + 1]],
                                    int(self.starts[s + 1] - self.starts[s]), codec, ranks,
                                    float(scales[s]), divisor, local, target)
         return flat
-
-    def nbytes(self):
-        """Bytes of the rebased positions this table adds (none for one segment)."""
-        return 0 if self.local is None or len(self) == 1 else int(self.local.nbytes)

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from .hashing import splitmix64_int, uniform
+from .hashing import splitmix64, splitmix64_int, uniform
 
 __all__ = ["TernaryCodec", "format_wire_bits", "stochastic_ternary", "ternary_key",
            "wire_bits_table"]
@@ -102,7 +102,11 @@ class TernaryCodec:
 
 def ternary_key(seed, step, bucket, rank):
     """The 64-bit random key of one (step, bucket, rank): independent noise per rank, and a
-    run that is reproduced exactly from the seed and the step counter alone."""
+    run that is reproduced exactly from the seed and the step counter alone. ``bucket`` may
+    be a uint64 array: the keys of those buckets, elementwise (a group's members)."""
+    if isinstance(bucket, np.ndarray):
+        mixed = splitmix64(np, np.uint64(step << 32) ^ (bucket << np.uint64(16)) ^ np.uint64(rank))
+        return splitmix64(np, np.uint64(seed) ^ mixed)
     return splitmix64_int(seed ^ splitmix64_int((step << 32) ^ (bucket << 16) ^ rank))
 
 

@@ -56,6 +56,9 @@ class MaskTracker:
         self.version = 0
         self.buckets = [BucketMaskState() for _ in range(n_buckets)]
         self.last_commit_step = None
+        # The observations list last committed, and the buckets waiting to be packed (None:
+        # to be found): what lets an unchanged step skip the per-bucket work.
+        self._committed = self._waiting = None
 
     @staticmethod
     def observe(bitmap):
@@ -71,6 +74,13 @@ class MaskTracker:
         Returns the indices of buckets whose mask changed in this step.
         """
         elapsed = 1 if self.last_commit_step is None else step - self.last_commit_step
+        if self.last_commit_step is not None and observations is self._committed:
+            # The very list of the last commit (the engine found every mask as it was then).
+            for state in self.buckets:
+                state.stable_steps += elapsed
+            self.last_commit_step = step
+            return []
+        self._committed, self._waiting = observations, None
         changed = []
         for b, (state, (fingerprint, survivors), mask) in enumerate(
                 zip(self.buckets, observations, masks)):
@@ -87,24 +97,32 @@ class MaskTracker:
         self.last_commit_step = step
         return changed
 
-    def ready_to_pack(self, b):
-        """True when bucket ``b`` is masked, not yet packed and stable long enough."""
-        state = self.buckets[b]
-        return (state.mask is not None and not state.packed
-                and state.stable_steps >= self.stable_steps
-                and state.survivors < state.mask.size)
+    def pack_ready(self):
+        """Pack the buckets that are masked, not yet packed and stable long enough; returns
+        their indices. (Only the ones waiting are looked at: none, once all are packed.)"""
+        if self._waiting is None:
+            self._waiting = [b for b, state in enumerate(self.buckets)
+                             if state.mask is not None and not state.packed
+                             and state.survivors < state.mask.size]
+        ready = [b for b in self._waiting if self.buckets[b].stable_steps >= self.stable_steps]
+        for b in ready:
+            self.buckets[b].pack()
+        if ready:
+            self._waiting = [b for b in self._waiting if not self.buckets[b].packed]
+        return ready
 
     def reset(self, version):
         """Forget every bucket's state (after a resync): each is reduced dense until its mask
         has been stable again; ``version`` is the agreed (largest) version."""
         self.version = version
         self.buckets = [BucketMaskState() for _ in self.buckets]
-        self.last_commit_step = None
+        self.last_commit_step = self._committed = self._waiting = None
 
     def load_state_dict(self, state, masks):
         """Restore :meth:`state_dict` output with the current flat ``masks`` (whose
         fingerprints the caller has checked)."""
         self.version, self.last_commit_step = state["version"], state["last_commit_step"]
+        self._committed = self._waiting = None
         for bucket, mask, saved in zip(self.buckets, masks, state["buckets"]):
             bucket.fingerprint, bucket.survivors = saved["fingerprint"], saved["survivors"]
             bucket.stable_steps, bucket.mask = saved["stable_steps"], mask

@@ -1,4 +1,4 @@
-"""Buckets sent as one group (a DDP bucket's parameters: one payload, one gather) and the
+"""Buckets sent as one group (a DDP bucket's parameters: one payload, one call) and the
 verification's comparison of many small masks at once, on one process, against the bucket-by-
 bucket path and the masked identity; the multi-rank checks are the DDP scenarios
 (tests/mpi_scripts/ddp_scenarios.py: equality with DDP's all-reduce at 2 and 4 ranks, a mask
@@ -14,6 +14,7 @@ from pacmpi import MPICollectives, kernels
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.arrays import supported_float_dtypes
 from pacmpi.engine import BucketSpec, StepEngine
+from pacmpi.ternary import ternary_key
 
 DTYPES = [d.name for d in supported_float_dtypes()]
 
@@ -109,11 +110,82 @@ def test_a_groups_positions_are_built_once_per_mask_change():
     assert list(engine._groups) == [(0,)]
 
 
-def test_a_ternary_group_is_refused():
-    engine = _engine([4, 4], np.float32, quantize="ternary")
-    engine.begin_step(lambda: [None, None])
-    with pytest.raises(ValueError, match="one by one"):
-        engine.encode((0, 1), np.ones(8, np.float32))
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(members=st.lists(member, min_size=1, max_size=8), dtype=st.sampled_from(DTYPES),
+       error_feedback=st.booleans(), stable_steps=st.integers(0, 1),
+       regroup=st.booleans(), seed=st.integers(0, 2**31))
+def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
+        route, members, dtype, error_feedback, stable_steps, regroup, seed):
+    """Ternary: each member its own scale, key and residual, so the group's words are its
+    members' words back to back and its decode theirs, step after step, through a mask
+    change, error feedback on and off, and the groups changing (DDP rebuilding its buckets:
+    ``regroup`` splits the group in two at step 2, the residuals following their buckets);
+    the checkpointed residuals are the buckets' own (zeros for one that never sent a value)."""
+    rng = np.random.default_rng(seed)
+    sizes = [n for n, _ in members]
+    masks = [None if d is None else rng.random(n) < d for n, d in members]
+    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    options = dict(quantize="ternary", error_feedback=error_feedback,
+                   stable_steps=stable_steps, seed=7)
+    grouped, alone = _engine(sizes, dtype, **options), _engine(sizes, dtype, **options)
+    everything = tuple(range(len(sizes)))
+    for step in range(4):
+        if step == 3 and masks[0] is not None:
+            masks[0][:] = ~masks[0]
+        groups = [everything]
+        if regroup and step >= 2 and len(sizes) > 1:
+            groups = [everything[:len(sizes) // 2], everything[len(sizes) // 2:]]
+        grad = (rng.standard_normal(int(offsets[-1])) * 10.0).astype(dtype)
+        for engine in (grouped, alone):
+            engine.begin_step(lambda: masks)
+        flat, each = grad.copy(), grad.copy()
+        for group in groups:
+            lo, hi = offsets[group[0]], offsets[group[-1] + 1]
+            grouped.agree_scales({group: flat[lo:hi]})
+            wire, ctx = grouped.encode(group, flat[lo:hi])
+            views = {b: each[offsets[b]:offsets[b + 1]] for b in group}
+            alone.agree_scales(views)
+            parts = [alone.encode(b, views[b]) + (b,) for b in group]
+            # (A bucket that sends nothing sends its empty flat: not a word type to join.)
+            sent = [w for w, _, _ in parts if w.size] or [wire[:0]]
+            np.testing.assert_array_equal(_bits(wire), _bits(np.concatenate(sent)))
+            grouped.decode(wire, ctx, flat[lo:hi])
+            for w, c, b in parts:
+                alone.decode(w, c, views[b])
+        np.testing.assert_array_equal(_bits(flat), _bits(each))
+        for engine in (grouped, alone):
+            engine.end_step()
+        saved, wanted = grouped.state_dict()["residuals"], alone.state_dict()["residuals"]
+        assert set(wanted) <= set(saved)  # a bucket that sent nothing alone kept no residual
+        for b in saved:
+            # Where the mask now prunes, a member's residual is dropped; a bucket that sends
+            # nothing at all (every coordinate pruned) keeps the residual it had.
+            kept = np.ones(sizes[b], bool) if masks[b] is None else masks[b]
+            want = wanted.get(b, np.zeros(sizes[b], saved[b].dtype))
+            np.testing.assert_array_equal(_bits(saved[b][kept]), _bits(want[kept]))
+
+
+def test_a_nonfinite_value_sends_its_ternary_group_unquantized():
+    """A NaN or Inf in one member: the whole group travels as it is (its payload is one
+    array), so the non-finite values reach every rank's result as on the dense path."""
+    engine = _engine([6, 5], np.float32, quantize="ternary", stable_steps=0)
+    engine.begin_step(lambda: [np.array([1, 0, 1, 1, 0, 1], bool), None])
+    grad = np.arange(11, dtype=np.float32)
+    grad[7] = np.inf
+    flat = grad.copy()
+    engine.agree_scales({(0, 1): flat})
+    wire, ctx = engine.encode((0, 1), flat)
+    assert ctx.kind == "copy" and wire.dtype == np.float32
+    engine.decode(wire, ctx, flat)
+    np.testing.assert_array_equal(flat, grad * np.array([1, 0, 1, 1, 0, 1] + [1] * 5))
+    assert engine.stats["nonfinite_fallbacks"] == 1
+
+
+def test_a_groups_keys_are_its_buckets_keys():
+    members = np.array([0, 1, 7, 400, 65535], dtype=np.uint64)
+    assert list(ternary_key(3, 12, members, 5)) == [ternary_key(3, 12, int(b), 5)
+                                                    for b in members]
 
 
 @pytest.mark.parametrize("changed", [None, 0, 17, 39])
@@ -146,7 +218,8 @@ def test_one_coordinate_moved_among_many_small_masks_is_seen(changed):
 
 def test_mask_binding_reads_every_mask_as_one_by_one():
     """MaskBinding.flats: boolean masks read in one concatenation, 0/1 float masks and a
-    channels-last parameter (memory order) one by one; the same arrays as flat(i)."""
+    channels-last parameter (memory order) one by one; the same arrays as flat(i), and a mask
+    changed in place or given new storage is read as it is now."""
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(5, 6),
                                 torch.nn.Linear(6, 2))
     model[0].to(memory_format=torch.channels_last)
@@ -164,5 +237,8 @@ def test_mask_binding_reads_every_mask_as_one_by_one():
             if flat is not None:
                 assert flat.dtype == np.bool_
                 np.testing.assert_array_equal(flat, one)
-    masks["1.weight"][0, 0] = ~masks["1.weight"][0, 0]  # kept, not copied: seen next read
-    assert binding.flats()[2][0] == bool(masks["1.weight"][0, 0])
+    for _ in range(2):  # kept, not copied: an in-place change is seen at the next read
+        masks["1.weight"][0, 0] = ~masks["1.weight"][0, 0]
+        assert binding.flats()[2][0] == bool(masks["1.weight"][0, 0])
+    masks["2.weight"].data = ~masks["2.weight"]  # new storage: seen too
+    np.testing.assert_array_equal(binding.flats()[4], masks["2.weight"].numpy().reshape(-1))

@@ -496,7 +496,9 @@ def test_warm_up_compiles_every_signature_a_step_needs():
     assert kernels.warm_up() == "numba"
     words = 2  # uint32 and uint64 views
     expected = {"gather": 4, "scatter": 4, "compact": 4, "expand": 4, "absmax": 4,
-                "ternary_encode": 4 * words, "ternary_decode": 4 * words}
+                "ternary_encode": 4 * words, "ternary_decode": 4 * words,
+                "absmax_segments": 4, "ternary_encode_segments": 4 * words,
+                "ternary_decode_segments": 4 * words}
     for name, kernel in cpu._KERNELS.items():  # the parallel kernels and their serial twins
         for version in cpu._versions(kernel):
             assert len(version.signatures) >= expected[name], (name, version)

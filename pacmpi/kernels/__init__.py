@@ -25,7 +25,8 @@ from . import reference
 from .reference import compute_dtype
 
 __all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
-           "ternary_decode", "backend", "set_backend", "warm_up", "compute_dtype", "BACKENDS"]
+           "ternary_decode", "segments_module", "backend", "set_backend", "warm_up",
+           "compute_dtype", "BACKENDS"]
 
 BACKENDS = ("auto", "numba", "numpy")
 
@@ -115,6 +116,7 @@ def warm_up(dtypes=None):
     supported gradient dtypes) and both word widths, so a training step never waits for Numba.
     Returns the route that ran."""
     from ..arrays import supported_float_dtypes
+    from ..segments import SegmentTable
     from ..ternary import TernaryCodec
     # Small calls run serial twins of the parallel kernels: compile both.
     counts = (2, _cpu().SERIAL_BELOW) if backend(np) == "numba" else (2,)
@@ -132,6 +134,11 @@ def warm_up(dtypes=None):
             words = ternary_encode(np, flat, indices, residual, residual, 1.0, 0, codec,
                                    np.empty(codec.words_for(count), codec.word_dtype))
             ternary_decode(np, words, count, codec, 2, 1.0, 2, indices, flat)
+            table = SegmentTable((count, count), indices, codec.digits_per_word)  # fused
+            scales = table.absmax(np, flat, residual)
+            words = table.encode(np, flat, residual, residual, scales, 0, codec,
+                                 np.empty(table.words, codec.word_dtype))
+            table.decode(np, words, codec, 2, scales, 2, flat)
     return backend(np)
 
 
@@ -141,6 +148,15 @@ def _fused(xp, *arrays):
     if route == "numpy" or not all(a.flags.c_contiguous for a in arrays if a is not None):
         return None
     return _cpu() if route == "numba" else _gpu()
+
+
+def segments_module(xp, *arrays):
+    """The compiled module whose ``*_segments`` kernels do many segments of a bucket in one
+    serial call, when these arrays take the Numba route (contiguous NumPy arrays); None
+    elsewhere: the reference and CuPy are called segment by segment
+    (:class:`pacmpi.segments.SegmentTable`), the reference staying the oracle."""
+    fused = _fused(xp, *arrays)
+    return fused if fused is not None and backend(xp) == "numba" else None
 
 
 def _count(flat, indices):

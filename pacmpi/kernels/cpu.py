@@ -36,7 +36,8 @@ from numba.extending import intrinsic, overload
 from .reference import compute_dtype, digit_powers, division_tables
 
 __all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
-           "ternary_decode", "converts",
+           "ternary_decode", "absmax_segments", "ternary_encode_segments",
+           "ternary_decode_segments", "converts",
            "compile_stats", "half_sum_function"]
 
 # Values per parallel work item: small enough to balance threads and stay in L1/L2, big enough
@@ -448,6 +449,73 @@ def _ternary_decode(words, count, k, base, magics, shifts, ranks, scale, divisor
                 flat[_at(indices, packed, j)] = _from_float(value, flat.dtype)
 
 
+# ---------------------------------------------------------------- many small segments
+# A bucket's tensors (segments of its payload, each with its own ternary scale, starting on a
+# word boundary) quantized in one serial call: the per-tensor kernels' operations in the same
+# order per value, without a call per tensor. Segment s is payload values starts[s] up to
+# starts[s + 1] (their positions in flat: indices, or the values themselves when not packed),
+# its words word_starts[s] up to word_starts[s + 1]; ``which`` lists the segments to do. IEEE
+# division, as in the parallel kernels (a zero scale gives Inf, not ZeroDivisionError).
+@njit(error_model="numpy", **_JIT)
+def _absmax_segments(flat, indices, packed, residual, add_residual, starts, which, out):
+    zero = _to_float(flat.dtype.type(0))
+    for i in range(which.size):
+        s = which[i]
+        top = np.uint64(0)
+        for j in range(starts[s], starts[s + 1]):
+            v = _to_float(flat[_at(indices, packed, j)])
+            if add_residual:
+                v += residual[np.uint64(j)]
+            top = max(top, _float_bits(abs(v)))
+        out[s] = np.float64(_bits_float(top, zero))
+
+
+@njit(error_model="numpy", **_JIT)
+def _ternary_encode_segments(flat, indices, packed, residual_in, add_residual, residual_out,
+                             keep_residual, starts, word_starts, which, positive, scales,
+                             scales32, keys_lo, keys_hi, powers, words):
+    k = powers.size
+    for i in range(which.size):
+        s = which[i]
+        first, stop = starts[s], starts[s + 1]
+        for w in range(word_starts[s], word_starts[s + 1]):
+            j0 = first + (w - word_starts[s]) * k
+            word = np.uint64(0)
+            for j in range(j0, min(j0 + k, stop)):
+                v = _to_float(flat[_at(indices, packed, j)])
+                if add_residual:
+                    v += residual_in[np.uint64(j)]
+                keep = positive[s] & (_uniform(j - first, keys_lo[s], keys_hi[s])
+                                      < np.float32(abs(v)) / scales32[s])
+                q = (1 if v > 0 else -1) if keep else 0
+                if keep_residual:
+                    residual_out[np.uint64(j)] = v - _as_float(q, v) * scales[s]
+                word += np.uint64(q + 1) * powers[np.uint64(j - j0)]
+            words[np.uint64(w)] = word
+
+
+@njit(error_model="numpy", **_JIT)
+def _ternary_decode_segments(words, k, base, magics, shifts, ranks, scales, divisor, divide,
+                             indices, packed, offsets, starts, word_starts, which, flat):
+    for i in range(which.size):
+        s = which[i]
+        flat[offsets[s]:offsets[s + 1]].fill(0)
+        first, stop = starts[s], starts[s + 1]
+        for w in range(word_starts[s], word_starts[s + 1]):
+            word = np.uint64(words[np.uint64(w)])
+            above = word
+            j0 = first + (w - word_starts[s]) * k
+            for j in range(j0, min(j0 + k, stop)):
+                d = np.uint64(j - j0)
+                below = above
+                above = _quotient(word, magics[d], shifts[d])
+                digit = np.int64(below - above * base)
+                value = _as_float(digit - ranks, scales[s]) * scales[s]
+                if divide:
+                    value = value / divisor
+                flat[_at(indices, packed, j)] = _from_float(value, flat.dtype)
+
+
 # ---------------------------------------------------------------- half-precision MPI sums
 # An MPI_User_function: void(void *in, void *inout, int *len, MPI_Datatype *type).
 _USER_FUNCTION = types.void(types.voidptr, types.voidptr, types.CPointer(types.int32),
@@ -487,7 +555,10 @@ def half_sum_function(name, soft=False):
 _NO_INDICES = np.empty(0, dtype=np.int64)
 _KERNELS = {"gather": _gather, "scatter": _scatter, "compact": _compact, "expand": _expand,
             "absmax": _absmax,
-            "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode}
+            "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode,
+            "absmax_segments": _absmax_segments,
+            "ternary_encode_segments": _ternary_encode_segments,
+            "ternary_decode_segments": _ternary_decode_segments}
 
 
 def _serial_twin(kernel):
@@ -616,4 +687,45 @@ def ternary_decode(words, count, codec, ranks, scale, divisor, indices, flat):
             np.uint64(codec.base), *division_tables(codec.base, codec.digits_per_word),
             np.int64(ranks), compute(scale), compute(divisor if divide else 1), divide,
             *_indices(indices, flat.size), _view(flat))
+    return flat
+
+
+def _keys(keys):
+    """Per-segment 64-bit keys as their (low, high) uint32 words."""
+    keys = np.asarray(keys, dtype=np.uint64)
+    return ((keys & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+            (keys >> np.uint64(32)).astype(np.uint32))
+
+
+def absmax_segments(flat, indices, residual, starts, which, out):
+    """``out[s]`` = :func:`absmax` of segment ``s`` for each ``s`` in ``which``."""
+    _absmax_segments(_view(flat), *_indices(indices, flat.size),
+                     *_optional(residual, compute_dtype(flat.dtype)), starts, which, out)
+    return out
+
+
+def ternary_encode_segments(flat, indices, residual_in, residual_out, scales, keys, codec,
+                            words_out, starts, word_starts, which):
+    """:func:`ternary_encode` of each segment in ``which`` with its scale and key into its
+    words; ``scales`` float64 and ``keys`` per segment."""
+    compute = compute_dtype(flat.dtype)
+    _ternary_encode_segments(
+        _view(flat), *_indices(indices, flat.size), *_optional(residual_in, compute),
+        *_optional(residual_out, compute), starts, word_starts, which, scales > 0,
+        scales.astype(compute), scales.astype(np.float32), *_keys(keys),
+        digit_powers(codec.base, codec.digits_per_word), _unsigned(words_out))
+    return words_out
+
+
+def ternary_decode_segments(words, codec, ranks, scales, divisor, indices, flat, offsets,
+                            starts, word_starts, which):
+    """:func:`ternary_decode` of each segment in ``which`` into ``flat[offsets[s]:offsets[s +
+    1]]`` (its coordinates without a value exactly 0)."""
+    compute = compute_dtype(flat.dtype)
+    divide = divisor is not None
+    _ternary_decode_segments(
+        _unsigned(words), codec.digits_per_word, np.uint64(codec.base),
+        *division_tables(codec.base, codec.digits_per_word), np.int64(ranks),
+        scales.astype(compute), compute.type(divisor if divide else 1), divide,
+        *_indices(indices, flat.size), offsets, starts, word_starts, which, _view(flat))
     return flat
