@@ -1,5 +1,10 @@
 """What pacmpi keeps per bucket: masks as bitmaps (chunked reads equal the bool mask's), int32
-survivor positions, and memory_report() counting the live arrays; ``pacmpi bench memory``."""
+survivor positions, and memory_report() counting the live arrays; ``pacmpi bench memory`` and
+``pacmpi bench hook``."""
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -7,6 +12,8 @@ from mpi4py import MPI
 from pacmpi import PacTrainReducer, bitmaps, hashing
 from pacmpi.bench import memory
 from pacmpi.bitmaps import Bitmap, index_dtype
+
+from mpi_util import mpirun_argv, run_bounded
 
 SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 1001]
 
@@ -129,3 +136,29 @@ def test_bench_memory_rows_add_up():
         assert row["peak"] >= 0
     assert rows[1]["indices"] == 0.5 and rows[1]["payloads"] == 0  # int32, in place
     assert "indices" in memory.format_table(rows).splitlines()[0]
+
+
+@pytest.mark.mpi
+def test_bench_hook_rows_on_two_ranks(tmp_path):
+    """``pacmpi bench hook`` on 2 ranks, both parts, small: every rank exits 0 (gloo's exit
+    abort once failed it); memory rows add up, the lossless hook keeps no payload (its DDP
+    buckets are compacted in place); time rows carry pacmpi's wall and CPU time."""
+    out = tmp_path / "hook.json"
+    argv = mpirun_argv(2) + [sys.executable, "-m", "pacmpi.cli", "bench", "hook", "--layers",
+                             "2", "--width", "64", "--densities", "0.5", "--tensors", "4,8",
+                             "--time-width", "16", "--steps", "2", "--json", str(out)]
+    done = run_bounded(argv, timeout=240, what="pacmpi bench hook",
+                       env=dict(os.environ, MASTER_PORT="29541", OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    rows = {row["mode"]: row for row in report["memory"]}
+    assert set(rows) == {"lossless", "ternary"}
+    for row in rows.values():
+        assert row["kept"] == pytest.approx(sum(row[c] for c in memory.COMPONENTS))
+    assert rows["lossless"]["payloads"] == 0 and rows["lossless"]["indices"] > 0
+    timed = [row for row in report["time"] if row["mode"] != "plain"]
+    assert [(row["tensors"], row["mode"]) for row in timed] == [
+        (4, "lossless"), (4, "ternary"), (8, "lossless"), (8, "ternary")]
+    assert all(0 < row["pacmpi_cpu_ms"] and 0 < row["pacmpi_ms"] < row["step_ms"]
+               for row in timed)
+    assert "cpu(ms)" in done.stdout
