@@ -1,6 +1,7 @@
 """Binding user masks (keyed by parameter name) to a list of bound parameters, for the
 framework adapters that hand per-parameter masks to :class:`pacmpi.engine.StepEngine`."""
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -8,6 +9,20 @@ from pacmpi.adapters.convert import as_array, as_tensor
 from pacmpi.adapters.pruning import named_prunable_parameters
 
 __all__ = ["MaskBinding"]
+
+
+class _ReadPlan(NamedTuple):
+    """What :meth:`MaskBinding.flats` reads in one concatenation: made for ``masks`` (the
+    binding's dict) while the storage of its boolean mask ``tensors`` stays at ``pointers``;
+    ``views``: theirs, flat; ``slices``: ``(index, start, stop)`` of each in the concatenation;
+    ``others``: the indices read one by one."""
+
+    masks: dict
+    pointers: list
+    tensors: list
+    views: list
+    slices: list
+    others: list
 
 
 def _every_parameter(name, param):
@@ -88,35 +103,32 @@ class MaskBinding:
         one by one. The views are remade when a mask's storage moves (``mask.data = ...``) or
         the masks are replaced."""
         plan = self._plans.get(memory_order)
-        if plan is None or plan[0] is not self.masks or plan[1] != [
-                mask.data_ptr() for mask in plan[2]]:
+        if plan is None or plan.masks is not self.masks or plan.pointers != [
+                mask.data_ptr() for mask in plan.tensors]:
             plan = self._plans[memory_order] = self._read_plan(memory_order)
-        _, _, masks, views, slices, others = plan
         out = [None] * len(self.params)
-        if views:
-            whole = as_array(torch.cat(views))
-            for index, start, stop in slices:
+        if plan.views:
+            whole = as_array(torch.cat(plan.views))
+            for index, start, stop in plan.slices:
                 out[index] = whole[start:stop]
-        for index in others:
+        for index in plan.others:
             out[index] = self.flat(index, memory_order)
         return out
 
     def _read_plan(self, memory_order):
-        """``(masks, storage pointers, fused masks, their flat views, (index, start, stop) of
-        each in the concatenation, indices read one by one)``."""
-        fused, others, slices, start = [], [], [], 0
+        tensors, slices, others, start = [], [], [], 0
         for index, mask in self.masks.items():
             param = self.params[index]
             if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
                     and mask.device == param.device and mask.shape == param.shape
                     and mask.is_contiguous() and (not memory_order or param.is_contiguous())):
-                fused.append(mask)
+                tensors.append(mask)
                 slices.append((index, start, start + mask.numel()))
                 start += mask.numel()
             else:
                 others.append(index)
-        return (self.masks, [mask.data_ptr() for mask in fused], fused,
-                [mask.view(-1) for mask in fused], slices, others)
+        return _ReadPlan(self.masks, [mask.data_ptr() for mask in tensors], tensors,
+                         [mask.view(-1) for mask in tensors], slices, others)
 
     def store(self, index, flat, memory_order=False):
         """Write a flat mask (as :meth:`flat` returns it) into parameter ``index``'s mask."""

@@ -127,6 +127,9 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
                 own[1] += time.thread_time() - cpu
 
         ddp.register_comm_hook(state, hook)
+    def spent():  # pacmpi's wall and CPU seconds so far: the hook's calls and its decodes
+        return np.add(own, state.stats["unpack_seconds"] if state and state.engine else 0)
+
     width, device = model[0].in_features, model[0].weight.device
     inputs = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank()))
     inputs = inputs.to(device)
@@ -134,17 +137,15 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
     seconds = []
     for i in range(warmup + steps):
         dist.barrier()
-        decoded = state.stats["unpack_seconds"] if state and state.engine else 0
-        own_before = [own[0] + decoded, own[1] + decoded]
+        own_before = spent()
         started = time.perf_counter()
         ddp(inputs).square().mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
-        decoded = state.stats["unpack_seconds"] if state else 0
-        own_after = [own[0] + decoded, own[1] + decoded]
+        own_after = spent()
         if i >= warmup:
-            seconds.append((elapsed, *np.subtract(own_after, own_before)))
+            seconds.append((elapsed, *(own_after - own_before)))
         model.zero_grad(set_to_none=False)
     step, mine, cpu = np.mean(seconds, axis=0) if seconds else (0.0, 0.0, 0.0)
     return (state.engine if state else None), float(step), float(mine), float(cpu)

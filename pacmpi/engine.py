@@ -104,7 +104,8 @@ class _Group:
     sent as one payload: ``indices`` their survivors' positions in that array (``None``: every
     coordinate is sent), so a step costs one gather and one scatter whatever the number of
     members. Built when a member's packing or mask changes (``key``), not per step;
-    ``masked``: ``(bucket, start, stop)`` of the members sent dense with a mask to apply."""
+    ``masked``: ``(bucket, start, stop, payload start)`` of the members sent dense with a mask
+    to apply."""
 
     __slots__ = ("slots", "key", "indices", "masked", "count", "packed", "size", "nbytes",
                  "offsets", "step", "epoch", "table")
@@ -118,7 +119,6 @@ class _Group:
         self.packed = sum(state.packed for state in states)
         counts = [state.survivors if state.packed else n for state, n in zip(states, sizes)]
         starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        # (bucket, start, stop in the group's array, start in its payload)
         self.masked = [(s, int(lo), int(lo) + n, int(at)) for s, state, lo, n, at in
                        zip(slots, states, offsets, sizes, starts)
                        if not state.packed and state.mask is not None and state.survivors < n]
@@ -250,9 +250,9 @@ class StepEngine:
     # Reusable buffers (kept per key; lent per payload: free ones by (module, dtype), lent ones
     # by id of the payload until its encode returns), the last agreed mask snapshots with
     # their fingerprints, the groups (buckets tuple -> _Group, with its segment table), the
-    # small masks' batches (buckets tuple -> (their
-    # bits read together, the snapshots they matched)) and the verification's digests (what
-    # was digested -> digest): dicts rebuilt on demand, so never pickled.
+    # small masks' runs (buckets tuple -> (their bits read together, the snapshots they
+    # matched)) and what the last verification read and digested ("observed", "masks",
+    # "layout"): dicts rebuilt on demand, so never pickled.
     _CACHES = ("_buffers", "_free", "_lent", "_largest", "_snapshots", "_groups", "_batches",
                "_digests")
 
@@ -321,11 +321,10 @@ class StepEngine:
         self.tracker.commit(self.step, observations, flats)
         if not masks_differ:
             self.tracker.pack_ready()
-        self._epoch += 1  # the groups check their packing again
-        if not masks_differ:
             # The scales hold where each bucket is sent as it was when they were computed.
             self._scales = {b: self._agreed_fields(b, maxima) for b, indices in fused.items()
                             if self.packed_indices(b) is indices}
+        self._epoch += 1  # the groups check their members' packing again
         self.stats["verify_seconds"] += time.perf_counter() - started
 
     def _steady_buckets(self):
@@ -488,7 +487,7 @@ class StepEngine:
         same = set()
         for run, bits in runs:
             cached = self._batches.get(run)
-            if (cached is not None and cached[0].size == bits.size
+            if (cached is not None
                     and all(self._snapshots.get(b, (None,))[0] is snapshot
                             for b, snapshot in zip(run, cached[1]))
                     and bool(array_module(bits).array_equal(bits, cached[0]))):
@@ -684,7 +683,7 @@ class StepEngine:
         """Bucket or group ``u``'s name in collectives and messages."""
         if not isinstance(u, tuple):
             return self.buckets[u].name
-        return self.buckets[u[0]].name + (f"+{len(u) - 1}" if len(u) > 1 else "")
+        return f"{self.buckets[u[0]].name}+{len(u) - 1}"
 
     def _local_scale(self, b, flat):
         """This rank's part of bucket ``b``'s scales, before the MAX over ranks: per segment,
@@ -757,13 +756,12 @@ class StepEngine:
         if not found:
             return None
         first = self._residuals[found[0]].values
-        group = self._group(slots)
-        full = array_module(first).zeros(group.size, dtype=first.dtype)
+        module, group = array_module(first), self._group(slots)
+        full = module.zeros(group.size, dtype=first.dtype)
         for s, lo in zip(slots, group.offsets):
-            entry = self._residuals.pop(s, None)
+            entry, size = self._residuals.pop(s, None), self.buckets[s].size
             if entry is not None:
-                full[lo:lo + self.buckets[s].size] = entry.full(array_module(first),
-                                                                self.buckets[s].size)
+                full[lo:lo + size] = entry.full(module, size)
         entry = self._residuals[slots] = _Residual(xp.asarray(full), None)
         return entry
 
@@ -795,7 +793,7 @@ class StepEngine:
         group = self._group_of(b)
         self.stats["dense_fallbacks"] += self._apply_mask(b, flat)
         self.stats["packed_reductions"] += group.packed
-        self.stats["dense_reductions"] += len(group.key) // 2 - group.packed
+        self.stats["dense_reductions"] += len(group.slots) - group.packed
         self.stats["dense_elements_equivalent"] += group.size
         self.stats["dense_bytes_equivalent"] += group.nbytes
         indices, count = group.indices, group.count

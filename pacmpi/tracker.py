@@ -98,8 +98,8 @@ class MaskTracker:
         return changed
 
     def pack_ready(self):
-        """Pack the buckets that are masked, not yet packed and stable long enough; returns
-        their indices. (Only the ones waiting are looked at: none, once all are packed.)"""
+        """Pack the buckets that are masked, not yet packed and stable long enough. (Only the
+        ones waiting are looked at: none, once all are packed.)"""
         if self._waiting is None:
             self._waiting = [b for b, state in enumerate(self.buckets)
                              if state.mask is not None and not state.packed
@@ -109,7 +109,6 @@ class MaskTracker:
             self.buckets[b].pack()
         if ready:
             self._waiting = [b for b in self._waiting if not self.buckets[b].packed]
-        return ready
 
     def reset(self, version):
         """Forget every bucket's state (after a resync): each is reduced dense until its mask
