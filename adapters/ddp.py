@@ -140,8 +140,8 @@ class PacTrainHookState:
         self._model, self._collectives = model, None  # collectives on the parameters' device
         self._names, self._params, self._specs = self._bound.names, self._bound.params, specs
         self._slot = {id(p): i for i, p in enumerate(self._params)}
-        # _layout: [(parameter ids, slots)] per DDP bucket of the last complete step, or None;
-        # _current: the same for the step in progress (None between steps).
+        # _layout: [(parameter ids, slots, their size)] per DDP bucket of the last complete
+        # step, or None; _current: the same for the step in progress (None between steps).
         self._layout = self._current = None
         self._trusted, self._open, self._saw_last = False, set(), False
 
@@ -185,13 +185,17 @@ class PacTrainHookState:
         known = self._layout if index == 0 or self._trusted else None
         self._trusted = bool(known) and index < len(known) and known[index][0] == ids and (
             index == len(known) - 1) == last
-        slots = known[index][1] if self._trusted else self._check_bucket(bucket, index, last)
+        if self._trusted:
+            slots, size = known[index][1:]
+        else:
+            slots = self._check_bucket(bucket, index, last)
+            size = sum(self.engine.buckets[s].size for s in slots)
         if index == 0:
             self.engine.begin_step(self._flat_masks, None, self._write_masks)
             self._current = []
-        self._current.append((ids, slots))
+        self._current.append((ids, slots, size))
         # One payload: lossless, the survivors moved to the bucket's front (or all of it).
-        flat = as_array(buffer)[:sum(self.engine.buckets[s].size for s in slots)]
+        flat = as_array(buffer)[:size]
         with _on_stream(buffer):
             self.engine.agree_scales({slots: flat})  # ternary: one MAX all-reduce
             with self._lock:

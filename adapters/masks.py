@@ -7,6 +7,7 @@ import torch
 
 from pacmpi.adapters.convert import as_array, as_tensor
 from pacmpi.adapters.pruning import named_prunable_parameters
+from pacmpi.engine import JoinedMasks
 
 __all__ = ["MaskBinding"]
 
@@ -15,7 +16,8 @@ class _ReadPlan(NamedTuple):
     """What :meth:`MaskBinding.flats` reads in one concatenation: made for ``masks`` (the
     binding's dict) while the storage of its boolean mask ``tensors`` stays at ``pointers``;
     ``views``: theirs, flat; ``slices``: ``(index, start, stop)`` of each in the concatenation;
-    ``others``: the indices read one by one."""
+    ``others``: the indices read one by one; ``joined``: when the tensors lie back to back in
+    one storage, the flats to return every step (views of it: no concatenation), else None."""
 
     masks: dict
     pointers: list
@@ -23,6 +25,7 @@ class _ReadPlan(NamedTuple):
     views: list
     slices: list
     others: list
+    joined: object
 
 
 def _every_parameter(name, param):
@@ -101,11 +104,20 @@ class MaskBinding:
         device (of contiguous parameters, with ``memory_order``) read in one concatenation of
         flat views made once, so reading them costs one call whatever their number; the others
         one by one. The views are remade when a mask's storage moves (``mask.data = ...``) or
-        the masks are replaced."""
+        the masks are replaced.
+
+        When every mask is read that way, they are first laid out back to back in one storage
+        (each mask's ``.data`` becomes a view of it, as DDP's ``gradient_as_bucket_view`` does
+        for gradients: the tensor objects, shapes and values stay the user's, and in-place
+        changes land in it), unless they already are; then the same
+        :class:`pacmpi.engine.JoinedMasks` of views is returned every step, nothing copied,
+        and the engine compares them as one array."""
         plan = self._plans.get(memory_order)
-        if plan is None or plan.masks is not self.masks or plan.pointers != [
-                mask.data_ptr() for mask in plan.tensors]:
+        if plan is None or plan.masks is not self.masks or plan.pointers != list(
+                map(torch.Tensor.data_ptr, plan.tensors)):
             plan = self._plans[memory_order] = self._read_plan(memory_order)
+        if plan.joined is not None:
+            return plan.joined
         out = [None] * len(self.params)
         if plan.views:
             whole = as_array(torch.cat(plan.views))
@@ -127,8 +139,27 @@ class MaskBinding:
                 start += mask.numel()
             else:
                 others.append(index)
+        joined = None
+        if tensors and not others and len({id(mask) for mask in tensors}) == len(tensors):
+            joined = self._joined(tensors, slices, start)
         return _ReadPlan(self.masks, [mask.data_ptr() for mask in tensors], tensors,
-                         [mask.view(-1) for mask in tensors], slices, others)
+                         [mask.view(-1) for mask in tensors], slices, others, joined)
+
+    def _joined(self, tensors, slices, total):
+        """The masks as views of one storage of ``total`` bools, in order (laid out so here
+        unless they already are), as the flats :meth:`flats` returns."""
+        first = tensors[0]
+        if not all(mask.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   and mask.storage_offset() == start
+                   for mask, (_, start, _) in zip(tensors, slices)):
+            storage = torch.cat([mask.view(-1) for mask in tensors])
+            for mask, (_, start, stop) in zip(tensors, slices):
+                mask.data = storage[start:stop].view(mask.shape)
+        whole = as_array(tensors[0].as_strided((total,), (1,), 0))
+        out = [None] * len(self.params)
+        for index, start, stop in slices:
+            out[index] = whole[start:stop]
+        return JoinedMasks(out, whole, token=object())
 
     def store(self, index, flat, memory_order=False):
         """Write a flat mask (as :meth:`flat` returns it) into parameter ``index``'s mask."""

@@ -3,23 +3,26 @@ memory by component and time per step against the number of parameter tensors.
 
 Run it on 2+ ranks: ``mpirun -n 2 pacmpi bench hook`` (or under ``torchrun``; gloo on CPU).
 
-``--part memory``: a stack of ``--layers`` ``Linear(width, width)`` layers, weights pruned to
-each density under random masks (biases unpruned), trained a few steps with plain DDP
+``--part memory``: ``--layers`` ``Linear(width, width)`` layers (on the same input, their
+outputs summed: :class:`_Branches`), weights pruned to each density under random masks
+(biases unpruned), trained a few steps with plain DDP
 (``gradient_as_bucket_view=True``), with :func:`pactrain_hook` lossless and ternary; or, with
 ``--frontend horovod``, with ``hvd.DistributedOptimizer`` without and with a
 :class:`PacTrainCompressor`. Columns as ``pacmpi bench memory``: each component the engine keeps
 between steps (:meth:`pacmpi.engine.StepEngine.memory_report`, live arrays), then ``peak`` (NumPy
 allocations, tracemalloc) and ``rss``: the peak resident memory above plain DDP's (Horovod's) run
-of the same model, all as ratios of the gradient bytes. Torch's own temporaries (the hook's
-``torch.cat`` of a DDP bucket's payloads, Horovod's copies) show in ``rss`` only.
+of the same model, all as ratios of the gradient bytes. The masks are the user's, made before
+the measurement starts, as the model is. Torch's own temporaries (Horovod's copies; the
+hook's concatenation of masks it cannot lay out in one storage) show in ``rss`` only.
 
-``--part time``: DDP (gloo, one thread per rank) of stacks of ``Linear(width, width)`` layers
+``--part time``: DDP (gloo, one thread per rank) of such ``Linear(width, width)`` layers
 with the given numbers of parameter tensors at about the same parameter count (the width
 shrinks as the layers multiply), weights pruned 0.5; plain DDP, the hook lossless and ternary;
 the mean step (forward, backward, the all-reduces) over ``--steps`` after warm-up steps, the
 slowest rank's, and pacmpi's own time in it (the hook's calls and its decodes): wall time,
-which includes the verification all-reduce's wait for the slower rank, and CPU time (the
-hook's thread CPU time, ``time.thread_time``, plus its decodes), which does not.
+which includes the verification all-reduce's wait for the slower rank and a decode's waits for
+the GIL (the transport's thread decodes while the training thread runs Python), and CPU time
+(``time.thread_time`` of the thread each of those calls ran on), which includes neither.
 
 ``--device cuda`` (DDP only, NCCL, a GPU per rank): the same on CUDA tensors. ``peak`` is then
 the device memory above plain DDP's run of the same model: torch's peak allocation
@@ -29,6 +32,7 @@ scripts/gpu_check.sh runs it.
 """
 import argparse
 import atexit
+import functools
 import gc
 import os
 import time
@@ -39,7 +43,13 @@ from torch import nn
 
 from pacmpi import kernels
 from pacmpi.bench import harness
-from pacmpi.bench.memory import COMPONENTS, ResidentPeak, random_mask, ratio_row
+from pacmpi.bench.memory import (
+    COMPONENTS,
+    ResidentPeak,
+    fixed_mmap_threshold,
+    random_mask,
+    ratio_row,
+)
 from pacmpi.bench.memory import format_table as format_memory_table
 
 __all__ = ["run_memory", "run_time", "main"]
@@ -47,9 +57,19 @@ __all__ = ["run_memory", "run_time", "main"]
 MODES = {"plain": "plain", "lossless": None, "ternary": "ternary"}
 
 
+class _Branches(nn.ModuleList):
+    """``Linear`` layers on the same input, their outputs summed. Not a chain: through 200
+    chained ``Linear(20, 20)`` the gradients vanish (median 2e-28, 12% of them subnormal
+    floats, whose arithmetic costs the CPU about 100x), so a step's time would measure the
+    gradients' values, not the number of tensors; here every layer's gradient is of one size."""
+
+    def forward(self, x):
+        return torch.stack([layer(x) for layer in self]).sum(0)
+
+
 def _stack(layers, width, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    return _Branches([nn.Linear(width, width) for _ in range(layers)]).to(device)
 
 
 def _masks(model, density):
@@ -105,9 +125,10 @@ class DevicePeak:
 
 
 # ---------------------------------------------------------------- DDP
-def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
-    """Train ``steps`` steps; returns (engine or None, seconds per step, pacmpi seconds per
-    step) over the last ``steps`` (after 3 untimed ones when ``timed``)."""
+def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False, masks=None):
+    """Train ``steps`` steps (``masks``: the user's, else made here at ``density``); returns
+    (engine or None, seconds per step, pacmpi seconds per step) over the last ``steps`` (after
+    3 untimed ones when ``timed``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
@@ -115,20 +136,31 @@ def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False):
     ddp = DDP(model, gradient_as_bucket_view=True)
     state, own = None, [0.0, 0.0]  # the hook's calls: wall and this thread's CPU seconds
     if mode != "plain":
-        state = PacTrainHookState(model, _masks(model, density), quantize=MODES[mode],
+        masks = _masks(model, density) if masks is None else masks
+        state = PacTrainHookState(model, masks, quantize=MODES[mode],
                                   error_feedback=mode == "ternary")  # its largest case
 
+        def timed(call):  # adds its wall and this thread's CPU seconds to own
+            @functools.wraps(call)  # DDP reads the hook's parameter names
+            def run(*args):
+                started, cpu = time.perf_counter(), time.thread_time()
+                try:
+                    return call(*args)
+                finally:
+                    own[0] += time.perf_counter() - started
+                    own[1] += time.thread_time() - cpu
+            return run
+
+        @timed
         def hook(state, bucket):
-            started, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return pactrain_hook(state, bucket)
-            finally:
-                own[0] += time.perf_counter() - started
-                own[1] += time.thread_time() - cpu
+            if state.engine is None:  # made at the first call: its decodes, on the
+                state.bind()  # transport's thread, count too (CPU: that thread's)
+                state.engine.decode = timed(state.engine.decode)
+            return pactrain_hook(state, bucket)
 
         ddp.register_comm_hook(state, hook)
     def spent():  # pacmpi's wall and CPU seconds so far: the hook's calls and its decodes
-        return np.add(own, state.stats["unpack_seconds"] if state and state.engine else 0)
+        return np.array(own)
 
     width, device = model[0].in_features, model[0].weight.device
     inputs = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -161,8 +193,9 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
         baseline = None
         for mode in ("plain",) + tuple(modes):
             model = _stack(layers, width, device=device)
+            masks = _masks(model, density)  # the user's, as the model: not pacmpi's memory
             peak = (DevicePeak() if device == "cuda" else ResidentPeak()).start()
-            engine = _ddp_run(dist, model, density, mode, steps)[0]
+            engine = _ddp_run(dist, model, density, mode, steps, masks=masks)[0]
             peaks = peak.stop()
             report = engine.memory_report() if engine else {}
             del engine
@@ -176,7 +209,7 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
                 rows.append(_max_over_ranks(dist, ratio_row(
                     report, _grad_bytes(model), peaks, frontend="ddp", mode=mode,
                     density=density)))
-            del model
+            del model, masks
             gc.collect()
     return rows
 
@@ -242,10 +275,11 @@ def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
         baseline = None
         for mode in ("plain",) + tuple(modes):
             model = _stack(layers, width)
+            masks = _masks(model, density)  # the user's, as the model: not pacmpi's memory
             peak = ResidentPeak().start()
             compression = hvd.Compression.none
             if mode != "plain":
-                compression = PacTrainCompressor(model, _masks(model, density),
+                compression = PacTrainCompressor(model, masks,
                                                  quantize=MODES[mode],
                                                  average=mode == "ternary",
                                                  error_feedback=mode == "ternary")
@@ -270,7 +304,7 @@ def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
                                                    dtype=torch.float64), op=hvd.Max)
                 row.update(zip(keys, maxima.tolist()))
                 rows.append(row)
-            del model, optimizer, compression
+            del model, optimizer, compression, masks
             gc.collect()
     return rows, hvd.rank(), hvd.size()
 
@@ -298,6 +332,7 @@ def build_parser(parser=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    fixed_mmap_threshold()  # before the transports start their threads
     densities = [float(d) for d in args.densities.split(",")]
     report, rank, size = {}, 0, 1
     if args.frontend == "horovod":
@@ -307,12 +342,14 @@ def main(argv=None):
     else:
         dist = _init_ddp(args.device)
         rank, size = dist.get_rank(), dist.get_world_size()
-        if args.part in ("memory", "all"):
-            report["memory"] = run_memory(dist, args.layers, args.width, densities,
-                                          device=args.device)
+        # Time first: the memory part leaves tracemalloc on (ResidentPeak.stop), which slows
+        # every allocation after it.
         if args.part in ("time", "all"):
             report["time"] = run_time(dist, [int(t) for t in args.tensors.split(",")],
                                       args.time_width, args.steps, device=args.device)
+        if args.part in ("memory", "all"):
+            report["memory"] = run_memory(dist, args.layers, args.width, densities,
+                                          device=args.device)
     if rank == 0:
         if "memory" in report:
             print(f"{args.frontend} memory per rank, ratio of the gradient bytes "

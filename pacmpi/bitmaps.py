@@ -35,6 +35,37 @@ class Bitmap:
         self.bits = xp.packbits(flat)
         self.size, self.count = int(flat.size), int(xp.count_nonzero(flat))
 
+    @classmethod
+    def joined(cls, xp, parts):
+        """The masks of ``parts`` laid end to end: each a :class:`Bitmap` or, for a stretch
+        whose every coordinate is kept, its size. Made a chunk at a time (a part's bits do not
+        start on a byte of the result), with no full-size boolean temporary."""
+        self = cls.__new__(cls)
+        self.size = sum(p if isinstance(p, int) else p.size for p in parts)
+        self.count = sum(p if isinstance(p, int) else p.count for p in parts)
+        self.bits = xp.empty((self.size + 7) // 8, dtype=np.uint8)
+        pending, held, done = [], 0, 0
+        for part in parts:
+            chunks = ((xp.ones(min(CHUNK, part - at), dtype=xp.bool_)
+                       for at in range(0, part, CHUNK)) if isinstance(part, int)
+                      else (chunk for _, _, chunk in part._chunks()))
+            for chunk in chunks:
+                pending.append(chunk)
+                held += chunk.size
+                if held >= CHUNK:
+                    pending, held, done = self._pack(xp, pending, done, held // 8 * 8)
+        self._pack(xp, pending, done, held)
+        return self
+
+    def _pack(self, xp, pending, done, n):
+        """Pack the first ``n`` pending coordinates (a multiple of 8 but at the very end) at
+        coordinate ``done``; returns what is left pending, its length and the new ``done``."""
+        flat = xp.concatenate(pending) if len(pending) > 1 else pending[0] if pending else \
+            xp.empty(0, dtype=xp.bool_)
+        self.bits[done // 8:(done + n + 7) // 8] = xp.packbits(flat[:n])
+        rest = flat[n:]
+        return [rest], rest.size, done + n
+
     @property
     def nbytes(self):
         return int(self.bits.nbytes)
@@ -44,10 +75,18 @@ class Bitmap:
         return array_module(self.bits)
 
     def matches(self, flat):
-        """Whether the flat boolean ``flat`` (same module) is this mask."""
+        """Whether the flat boolean ``flat`` (same module) is this mask. Chunk by chunk (a whole
+        mask's bits and their comparison would cost 1/16 of float32 gradients at each step's
+        peak), read once at the end (one device synchronization on a GPU)."""
         xp = self.xp
-        return (flat.size == self.size and array_module(flat) is xp
-                and bool(xp.array_equal(xp.packbits(flat), self.bits)))
+        if flat.size != self.size or array_module(flat) is not xp:
+            return False
+        differ = 0
+        for start in range(0, self.size, CHUNK):
+            stop = min(start + CHUNK, self.size)
+            differ = differ + xp.count_nonzero(
+                xp.packbits(flat[start:stop]) != self.bits[start // 8:(stop + 7) // 8])
+        return int(differ) == 0
 
     def _chunks(self):
         """``(start, stop, bools)`` of consecutive chunks of the mask."""

@@ -36,8 +36,8 @@ from .ternary import TernaryCodec, ternary_key
 from .tracker import MaskTracker
 from .verify import agree, gather_details, offending_ranks, raise_together
 
-__all__ = ["StepEngine", "BucketSpec", "Encoded", "QUANTIZE_MODES", "MISMATCH_POLICIES",
-           "TERNARY_SCALES", "MEMORY_COMPONENTS"]
+__all__ = ["StepEngine", "BucketSpec", "Encoded", "JoinedMasks", "QUANTIZE_MODES",
+           "MISMATCH_POLICIES", "TERNARY_SCALES", "MEMORY_COMPONENTS"]
 
 QUANTIZE_MODES = (None, "fp16", "ternary")
 MISMATCH_POLICIES = ("raise", "resync")
@@ -68,6 +68,20 @@ class BucketSpec:
     segments: tuple = ()
 
 
+class JoinedMasks(list):
+    """What ``read_masks()`` may return instead of a plain list: the same flat masks (one per
+    bucket, ``None`` for an unmasked one), every one a view of ``whole``, one boolean array
+    holding the masked buckets' masks back to back in bucket order. ``token`` is an object that
+    stays the same exactly as long as the views partition ``whole`` the same way. The engine
+    then checks and compares the masks as one array per step, whatever their number."""
+
+    __slots__ = ("whole", "token")
+
+    def __init__(self, flats, whole, token):
+        super().__init__(flats)
+        self.whole, self.token = whole, token
+
+
 @dataclass
 class Encoded:
     """What :meth:`StepEngine.decode` needs besides the reduced payload.
@@ -78,6 +92,8 @@ class Encoded:
     decode: packed survivors, a float16 cast, or an unquantized non-finite bucket) or
     ``"ternary"`` (ternary words, one scale per segment of ``segments``, a
     :class:`pacmpi.segments.SegmentTable`).
+    ``indices`` says where the payload's values go back: survivor positions (``None``: all
+    coordinates), for ``"compact"`` the survivors' :class:`pacmpi.bitmaps.Bitmap`.
     ``residual`` is the error-feedback residual to keep once the result is back, so an abandoned
     step leaves the residuals as they were. ``scratch``: the engine's buffer the payload was
     written into, lent until the decode.
@@ -101,20 +117,22 @@ def _unit(u):
 
 class _Group:
     """Buckets whose flat arrays lie back to back in one array (a DDP bucket's parameters),
-    sent as one payload: ``indices`` their survivors' positions in that array (``None``: every
-    coordinate is sent), so a step costs one gather and one scatter whatever the number of
-    members. Built when a member's packing or mask changes (``key``), not per step;
-    ``masked``: ``(bucket, start, stop, payload start)`` of the members sent dense with a mask
-    to apply."""
+    sent as one payload, so a step costs one gather and one scatter whatever the number of
+    members. What it sends is described, each made when first asked for, by
+    :meth:`positions` (its survivors' positions in that array) or :meth:`bitmap` (1 bit per
+    coordinate, what in-place compaction reads); both ``None`` when every coordinate is sent.
+    Built when a member's packing or mask changes (``key``), not per step; ``masked``:
+    ``(bucket, start, stop, payload start)`` of the members sent dense with a mask to apply."""
 
-    __slots__ = ("slots", "key", "indices", "masked", "count", "packed", "size", "nbytes",
-                 "offsets", "step", "epoch", "table")
+    __slots__ = ("slots", "key", "states", "masked", "count", "packed", "size", "nbytes",
+                 "offsets", "step", "epoch", "table", "_positions", "_bitmap")
 
     def __init__(self, slots, states, specs, key, step):
         sizes = [specs[s].size for s in slots]
         offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.slots, self.key, self.step, self.size = slots, key, step, int(offsets[-1])
         self.offsets, self.table = offsets, None  # table: the ternary SegmentTable, when asked
+        self.states, self._positions, self._bitmap = states, None, None
         self.nbytes = sum(specs[s].size * specs[s].dtype.itemsize for s in slots)
         self.packed = sum(state.packed for state in states)
         counts = [state.survivors if state.packed else n for state, n in zip(states, sizes)]
@@ -122,16 +140,40 @@ class _Group:
         self.masked = [(s, int(lo), int(lo) + n, int(at)) for s, state, lo, n, at in
                        zip(slots, states, offsets, sizes, starts)
                        if not state.packed and state.mask is not None and state.survivors < n]
-        self.indices = states[0].positions() if len(slots) == 1 else None
-        if len(slots) > 1 and self.packed:
-            # Built from each member's mask: the members need no positions of their own.
-            xp = next(state.mask.xp for state in states if state.packed)
-            self.indices = xp.empty(int(starts[-1]), dtype=index_dtype(self.size))
-            for state, lo, n, at, count in zip(states, offsets, sizes, starts, counts):
-                part = self.indices[at:at + count]
-                part[...] = state.mask.positions() if state.packed else xp.arange(n)
-                part += part.dtype.type(lo)
-        self.count = self.size if self.indices is None else int(self.indices.size)
+        self.count = int(starts[-1]) if self.packed else self.size
+
+    def positions(self):
+        """The survivors' positions in the group's array (``None``: all are sent)."""
+        if self._positions is not None or not self.packed:
+            return self._positions
+        if len(self.slots) == 1:
+            self._positions = self.states[0].positions()
+            return self._positions
+        # Built from each member's mask: the members need no positions of their own.
+        xp = next(state.mask.xp for state in self.states if state.packed)
+        self._positions = xp.empty(self.count, dtype=index_dtype(self.size))
+        at = 0
+        for state, lo, hi in zip(self.states, self.offsets, self.offsets[1:]):
+            count = state.survivors if state.packed else int(hi - lo)
+            part = self._positions[at:at + count]
+            part[...] = state.mask.positions() if state.packed else xp.arange(count)
+            part += part.dtype.type(lo)
+            at += count
+        return self._positions
+
+    def bitmap(self):
+        """The survivors as a :class:`pacmpi.bitmaps.Bitmap` over the group's array (``None``:
+        all are sent): a packed member's mask, the others all set."""
+        if self._bitmap is not None or not self.packed:
+            return self._bitmap
+        if len(self.slots) == 1:
+            self._bitmap = self.states[0].mask
+        else:
+            xp = next(state.mask.xp for state in self.states if state.packed)
+            self._bitmap = Bitmap.joined(xp, [
+                state.mask if state.packed else int(hi - lo)
+                for state, lo, hi in zip(self.states, self.offsets, self.offsets[1:])])
+        return self._bitmap
 
 
 class _Residual:
@@ -237,7 +279,9 @@ class StepEngine:
         self.word_dtype = word_dtype
         self.step = 0
         self.generation = 0
-        self._epoch = 0  # counts the tracker's changes (verifications, checkpoint loads)
+        # _epoch counts the tracker's changes (of any bucket's mask or packing, seen after a
+        # verification: _changes is the tracker's count then; checkpoint loads).
+        self._epoch, self._changes = 0, None
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._residuals = {}
         self._scales = {}
@@ -324,7 +368,9 @@ class StepEngine:
             # The scales hold where each bucket is sent as it was when they were computed.
             self._scales = {b: self._agreed_fields(b, maxima) for b, indices in fused.items()
                             if self.packed_indices(b) is indices}
-        self._epoch += 1  # the groups check their members' packing again
+        if self.tracker.changes != self._changes:  # the groups check their members again
+            self._changes = self.tracker.changes
+            self._epoch += 1
         self.stats["verify_seconds"] += time.perf_counter() - started
 
     def _steady_buckets(self):
@@ -373,7 +419,7 @@ class StepEngine:
                 sizes = spec.segments if self.ternary_scale == "tensor" and spec.segments \
                     else (spec.size,)
             digits = self.codec.digits_per_word if self.codec is not None else 1
-            group.table = SegmentTable(sizes, group.indices, digits)
+            group.table = SegmentTable(sizes, group.positions(), digits)
         return group.table
 
     def end_step(self):
@@ -414,13 +460,18 @@ class StepEngine:
                    for r in sorted({0, *bad})]), details=details, offending_ranks=bad)
 
     def _checked_flats(self, flats):
-        flats = list(flats)
+        token = getattr(flats, "token", None)
+        if token is not None and token is self._digests.get("checked"):
+            return flats  # the same partition, sizes checked already
+        flats = flats if isinstance(flats, list) else list(flats)
         if len(flats) != len(self.buckets):
             raise ValueError(f"{len(flats)} masks for {len(self.buckets)} buckets")
         for spec, flat in zip(self.buckets, flats):
             if flat is not None and flat.size != spec.size:
                 raise ValueError(f"mask of {spec.name} has {flat.size} elements, the bucket "
                                  f"has {spec.size}")
+        if token is not None:
+            self._digests["checked"] = token
         return flats
 
     # ------------------------------------------------------------------ verification
@@ -431,12 +482,19 @@ class StepEngine:
         fingerprint; the snapshot (a :class:`pacmpi.bitmaps.Bitmap`: 1 bit per coordinate),
         not the caller's array, is what the step packs with.
         """
+        last = self._digests.get("observed")
+        joined = None
+        if isinstance(flats, JoinedMasks):
+            if (last is not None and last[3] is not None and last[3][0] is flats.token
+                    and last[3][1].matches(flats.whole)):
+                return last[1], last[2]  # every mask as at the last read, read as one array
+            joined = (flats.token, Bitmap(flats.whole))
         runs = list(self._mask_batches(flats))
         unchanged = self._unchanged(runs)
         unmasked = [b for b, flat in enumerate(flats) if flat is None]
-        last = self._digests.get("observed")
         if last is not None and last[0] == unmasked and len(unchanged) + len(unmasked) == len(
                 flats):  # every mask as its snapshot, as at the last read: its result holds
+            self._digests["observed"] = last[:3] + (joined,)
             return last[1], last[2]
         snapshots, observations = [], []
         for b, flat in enumerate(flats):
@@ -457,7 +515,7 @@ class StepEngine:
             observations.append(previous[1])
         # Each run kept with the snapshots its masks now match.
         self._batches = {run: (bits, [self._snapshots[b][0] for b in run]) for run, bits in runs}
-        self._digests["observed"] = (unmasked, snapshots, observations)
+        self._digests["observed"] = (unmasked, snapshots, observations, joined)
         return snapshots, observations
 
     def _mask_batches(self, flats):
@@ -692,7 +750,7 @@ class StepEngine:
         xp = array_module(flat)
         self._apply_mask(b, flat)
         residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype),
-                                      self._group_of(b).indices)
+                                      self._group_of(b).positions())
         return self.segment_table(b).absmax(xp, flat, residual)
 
     def _agree(self, local, name):
@@ -796,13 +854,15 @@ class StepEngine:
         self.stats["dense_reductions"] += len(group.slots) - group.packed
         self.stats["dense_elements_equivalent"] += group.size
         self.stats["dense_bytes_equivalent"] += group.nbytes
-        indices, count = group.indices, group.count
-        if self.quantize == "ternary" and count:
-            wire, ctx = self._encode_ternary(b, xp, flat, indices, count)
-        elif indices is not None and self.quantize is None and in_place:
-            wire = kernels.compact(xp, flat, indices)
-            ctx = Encoded(b, "compact", indices, self.generation, count=count)
-        elif indices is not None or self.quantize == "fp16":
+        count = group.count
+        if self.quantize is None and in_place and group.packed:
+            bitmap = group.bitmap()
+            wire = kernels.compact(xp, flat, bitmap.bits, count)
+            ctx = Encoded(b, "compact", bitmap, self.generation, count=count)
+        elif self.quantize == "ternary" and count:
+            wire, ctx = self._encode_ternary(b, xp, flat, group.positions(), count)
+        elif group.packed or self.quantize == "fp16":
+            indices = group.positions()
             wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else flat.dtype
             wire = kernels.gather(xp, flat, indices, self._scratch(xp, count, wire_dtype))
             ctx = Encoded(b, "copy", indices, self.generation, count=count)
@@ -881,7 +941,7 @@ class StepEngine:
         elif ctx.kind == "dense" and divisor is None:
             pass
         elif ctx.kind == "compact":
-            kernels.expand(xp, flat, ctx.indices, divisor)
+            kernels.expand(xp, flat, ctx.indices.bits, ctx.count, divisor)
         else:
             kernels.scatter(xp, wire, ctx.indices, flat, divisor)
         if ctx.scratch is not None:
@@ -906,11 +966,15 @@ class StepEngine:
             add("indices", state.indices)
             add("snapshots", state.mask)
         for group in self._groups.values():
-            add("indices", group.indices)
+            add("indices", group._positions)
+            add("indices", group._bitmap)
         for snapshot, _ in self._snapshots.values():
             add("snapshots", snapshot)
         for bits, _ in self._batches.values():
             add("snapshots", bits)
+        observed = self._digests.get("observed")
+        if observed is not None and observed[3] is not None:
+            add("snapshots", observed[3][1])  # the joined masks' bits
         for (kind, _), buffer in self._buffers.items():
             add("words" if kind == "words" else "payloads", buffer)
         for (_, dtype), free in self._free.items():
@@ -972,7 +1036,7 @@ class StepEngine:
                               f"has {self.collectives.size}: error-feedback residuals are "
                               "per-rank and start from zero at another world size",
                               RuntimeWarning, stacklevel=4)
-            self.tracker = tracker
+            self.tracker, self._changes = tracker, None
             self._epoch += 1
             self._residuals = ({int(b): _Residual(np.asarray(r), None)
                                 for b, r in state["residuals"].items()} if same_world else {})

@@ -17,7 +17,7 @@ _MASK64 = (1 << 64) - 1
 # Two independent multilinear hashes: each collides with probability <= 2**-32 for two fixed,
 # different masks (32-bit words, random 64-bit weights), so together about 2**-64.
 _FINGERPRINT_KEYS = (0x5DEECE66D1234567, 0x2545F4914F6CDD1D)
-_FINGERPRINT_CHUNK = 1 << 16  # 32-bit words per pass: 2 Mi coordinates
+_FINGERPRINT_CHUNK = 1 << 14  # 32-bit words per pass: 512 Ki coordinates, 128 KiB per temporary
 
 
 def splitmix64_int(value):

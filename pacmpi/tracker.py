@@ -59,6 +59,16 @@ class MaskTracker:
         # The observations list last committed, and the buckets waiting to be packed (None:
         # to be found): what lets an unchanged step skip the per-bucket work.
         self._committed = self._waiting = None
+        # Steps every bucket's stable_steps still owes (an unchanged commit adds them here, not
+        # bucket by bucket), and a count of the changes of any bucket's mask or packing.
+        self._owed, self.changes = 0, 0
+
+    def _settle(self):
+        """Add the steps owed to every bucket's ``stable_steps``."""
+        if self._owed:
+            for state in self.buckets:
+                state.stable_steps += self._owed
+            self._owed = 0
 
     @staticmethod
     def observe(bitmap):
@@ -76,11 +86,12 @@ class MaskTracker:
         elapsed = 1 if self.last_commit_step is None else step - self.last_commit_step
         if self.last_commit_step is not None and observations is self._committed:
             # The very list of the last commit (the engine found every mask as it was then).
-            for state in self.buckets:
-                state.stable_steps += elapsed
+            self._owed += elapsed
             self.last_commit_step = step
             return []
+        self._settle()
         self._committed, self._waiting = observations, None
+        self.changes += 1
         changed = []
         for b, (state, (fingerprint, survivors), mask) in enumerate(
                 zip(self.buckets, observations, masks)):
@@ -104,11 +115,15 @@ class MaskTracker:
             self._waiting = [b for b, state in enumerate(self.buckets)
                              if state.mask is not None and not state.packed
                              and state.survivors < state.mask.size]
+        if not self._waiting:
+            return
+        self._settle()
         ready = [b for b in self._waiting if self.buckets[b].stable_steps >= self.stable_steps]
         for b in ready:
             self.buckets[b].pack()
         if ready:
             self._waiting = [b for b in self._waiting if not self.buckets[b].packed]
+            self.changes += 1
 
     def reset(self, version):
         """Forget every bucket's state (after a resync): each is reduced dense until its mask
@@ -116,18 +131,21 @@ class MaskTracker:
         self.version = version
         self.buckets = [BucketMaskState() for _ in self.buckets]
         self.last_commit_step = self._committed = self._waiting = None
+        self._owed, self.changes = 0, self.changes + 1
 
     def load_state_dict(self, state, masks):
         """Restore :meth:`state_dict` output with the current flat ``masks`` (whose
         fingerprints the caller has checked)."""
         self.version, self.last_commit_step = state["version"], state["last_commit_step"]
         self._committed = self._waiting = None
+        self._owed, self.changes = 0, self.changes + 1
         for bucket, mask, saved in zip(self.buckets, masks, state["buckets"]):
             bucket.fingerprint, bucket.survivors = saved["fingerprint"], saved["survivors"]
             bucket.stable_steps, bucket.mask = saved["stable_steps"], mask
             bucket.pack(saved["packed"])
 
     def state_dict(self):
+        self._settle()
         return {
             "version": self.version,
             "last_commit_step": self.last_commit_step,

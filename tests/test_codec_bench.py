@@ -32,6 +32,10 @@ def test_bytes_moved_counts_values_indices_residuals_words_and_zeroing(dtype, it
         packed.count * (itemsize + 8 + 2 * residual) + words
     assert codec.bytes_moved("ternary_decode", packed) == \
         words + packed.count * (8 + itemsize) + size * itemsize
+    # The in-place pair reads the mask's bits, no indices.
+    assert codec.bytes_moved("compact", packed) == 2 * packed.count * itemsize + size // 8
+    assert codec.bytes_moved("expand", packed) == (packed.count + size) * itemsize + size // 8
+    assert dense.call("compact") is None and packed.call("compact") is not None
 
 
 def test_bfloat16_run_reports_each_op_against_copyto(tmp_path):

@@ -1,6 +1,7 @@
-"""Buckets sent as one group (a DDP bucket's parameters: one payload, one call) and the
-verification's comparison of many small masks at once, on one process, against the bucket-by-
-bucket path and the masked identity; the multi-rank checks are the DDP scenarios
+"""Buckets sent as one group (a DDP bucket's parameters: one payload, one call), the
+verification's comparison of many small masks at once (run by run, or as one JoinedMasks) and
+the DDP hook's masks laid out in one storage, on one process, against the bucket-by-bucket path
+and the masked identity; the multi-rank checks are the DDP scenarios
 (tests/mpi_scripts/ddp_scenarios.py: equality with DDP's all-reduce at 2 and 4 ranks, a mask
 moved on one rank raising everywhere, resync)."""
 import numpy as np
@@ -13,7 +14,7 @@ from mpi4py import MPI
 from pacmpi import MPICollectives, kernels
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.arrays import supported_float_dtypes
-from pacmpi.engine import BucketSpec, StepEngine
+from pacmpi.engine import BucketSpec, JoinedMasks, StepEngine
 from pacmpi.ternary import ternary_key
 
 DTYPES = [d.name for d in supported_float_dtypes()]
@@ -188,34 +189,6 @@ def test_a_groups_keys_are_its_buckets_keys():
                                                     for b in members]
 
 
-@pytest.mark.parametrize("changed", [None, 0, 17, 39])
-def test_one_coordinate_moved_among_many_small_masks_is_seen(changed):
-    """Forty small masks (unmasked buckets between them) are compared a run at a time; moving
-    one coordinate of one of them in place changes that bucket's fingerprint only, and the
-    step then sends it dense with its new mask. ``None``: nothing moved (the control)."""
-    rng = np.random.default_rng(2)
-    sizes = [n for _ in range(40) for n in (int(rng.integers(1, 60)), 3)]
-    masks = [rng.random(n) < 0.5 if i % 2 == 0 else None for i, n in enumerate(sizes)]
-    engine = _engine(sizes, np.float32, stable_steps=1)
-    for _ in range(2):
-        engine.begin_step(lambda: masks)
-        engine.end_step()
-    before = [state.fingerprint for state in engine.tracker.buckets]
-    version = engine.tracker.version
-    if changed is not None:
-        mask = masks[2 * changed]
-        mask[0] = not mask[0]
-    engine.begin_step(lambda: masks)
-    after = [state.fingerprint for state in engine.tracker.buckets]
-    moved = [b for b, (x, y) in enumerate(zip(before, after)) if x != y]
-    assert moved == ([] if changed is None else [2 * changed])
-    assert engine.tracker.version == version + (changed is not None)
-    for b, state in enumerate(engine.tracker.buckets):
-        if masks[b] is not None:
-            np.testing.assert_array_equal(state.mask.unpack(), masks[b])
-            assert state.packed == (b not in moved)
-
-
 def test_mask_binding_reads_every_mask_as_one_by_one():
     """MaskBinding.flats: boolean masks read in one concatenation, 0/1 float masks and a
     channels-last parameter (memory order) one by one; the same arrays as flat(i), and a mask
@@ -242,3 +215,105 @@ def test_mask_binding_reads_every_mask_as_one_by_one():
         assert binding.flats()[2][0] == bool(masks["1.weight"][0, 0])
     masks["2.weight"].data = ~masks["2.weight"]  # new storage: seen too
     np.testing.assert_array_equal(binding.flats()[4], masks["2.weight"].numpy().reshape(-1))
+
+
+def _linear_masks(model, density=0.5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.rand(p.shape, generator=gen) < density
+            for name, p in model.named_parameters() if name.endswith("weight")}
+
+
+def test_mask_binding_lays_the_masks_out_in_one_storage():
+    """Boolean masks of contiguous parameters become views of one storage (the tensor objects,
+    shapes and values the user's), read every step as the same JoinedMasks of views: an
+    in-place change through the user's tensor is read, new storage (``.data =``) too, and masks
+    already back to back in one storage of the user's are not moved."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(5, 5) for _ in range(4)])
+    masks = _linear_masks(model)
+    objects, values = dict(masks), {n: m.clone() for n, m in masks.items()}
+    binding = MaskBinding(list(model.named_parameters()), masks, model)
+    flats = binding.flats(memory_order=True)
+    assert isinstance(flats, JoinedMasks) and binding.flats(memory_order=True) is flats
+    storage = {m.untyped_storage().data_ptr() for m in masks.values()}
+    assert len(storage) == 1 and all(masks[n] is objects[n] for n in masks)
+    for name, mask in masks.items():
+        assert torch.equal(mask, values[name]) and mask.shape == values[name].shape
+    np.testing.assert_array_equal(flats.whole, np.concatenate([f for f in flats if f is not None]))
+    masks["2.weight"][1, 3] = ~masks["2.weight"][1, 3]  # in place, through the user's tensor
+    assert binding.flats(memory_order=True)[4][8] == bool(masks["2.weight"][1, 3])
+    masks["2.weight"].data = ~masks["2.weight"].clone()  # new storage: a new plan, laid out again
+    again = binding.flats(memory_order=True)
+    assert again is not flats and again.token is not flats.token
+    np.testing.assert_array_equal(again[4], masks["2.weight"].numpy().reshape(-1))
+    # Already back to back in one storage (as laid out here, or by the user): not moved.
+    pointers = [m.data_ptr() for m in masks.values()]
+    fresh = MaskBinding(list(model.named_parameters()), masks, model).flats(memory_order=True)
+    assert [m.data_ptr() for m in masks.values()] == pointers
+    np.testing.assert_array_equal(fresh.whole, again.whole)
+
+
+def test_mask_binding_joins_only_masks_it_can():
+    """One tensor masking two parameters, a 0/1 float mask: a plain list, read as before."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    shared = torch.rand(4, 4) < 0.5
+    for masks in ({"0.weight": shared, "1.weight": shared},
+                  {"0.weight": shared.clone(), "1.weight": shared.float()}):
+        pointers = {n: m.data_ptr() for n, m in masks.items()}
+        binding = MaskBinding(list(model.named_parameters()), masks, model)
+        flats = binding.flats()
+        assert not isinstance(flats, JoinedMasks)
+        assert {n: m.data_ptr() for n, m in masks.items()} == pointers  # not moved
+        np.testing.assert_array_equal(flats[0], shared.numpy().reshape(-1))
+        np.testing.assert_array_equal(flats[2], masks["1.weight"].numpy().reshape(-1) != 0)
+
+
+@pytest.mark.parametrize("read", ["list", "joined", "joined anew"])
+@pytest.mark.parametrize("changed", [None, 0, 17, 39])
+def test_one_coordinate_moved_among_many_small_masks_is_seen(changed, read):
+    """Forty small masks (unmasked buckets between them), read as a list (compared a run at a
+    time) or as one JoinedMasks (compared as one array; "anew": a new token, so compared run by
+    run): moving one coordinate of one of them in place changes that bucket's fingerprint only,
+    and the step then sends it dense with its new mask. ``None``: nothing moved (the control;
+    the engine then hands the tracker its very list of the last commit)."""
+    rng = np.random.default_rng(2)
+    sizes = [n for _ in range(40) for n in (int(rng.integers(1, 60)), 3)]
+    masked = [b for b in range(len(sizes)) if b % 2 == 0]
+    whole = rng.random(sum(sizes[b] for b in masked)) < 0.5
+    flats, at = [None] * len(sizes), 0
+    for b in masked:
+        flats[b] = whole[at:at + sizes[b]]
+        at += sizes[b]
+    joined = JoinedMasks(flats, whole, token=object())
+    engine = _engine(sizes, np.float32, stable_steps=1)
+    for _ in range(2):
+        engine.begin_step(lambda: joined if read != "list" else list(flats))
+        engine.end_step()
+    before = [state.fingerprint for state in engine.tracker.buckets]
+    version, committed = engine.tracker.version, engine.tracker._committed
+    if changed is not None:
+        flats[2 * changed][0] = not flats[2 * changed][0]
+    engine.begin_step(lambda: {"list": list(flats), "joined": joined,
+                               "joined anew": JoinedMasks(flats, whole, token=object())}[read])
+    after = [state.fingerprint for state in engine.tracker.buckets]
+    moved = [b for b, (x, y) in enumerate(zip(before, after)) if x != y]
+    assert moved == ([] if changed is None else [2 * changed])
+    assert engine.tracker.version == version + (changed is not None)
+    assert (engine.tracker._committed is committed) == (changed is None)
+    for b in masked:
+        np.testing.assert_array_equal(engine.tracker.buckets[b].mask.unpack(), flats[b])
+        assert engine.tracker.buckets[b].packed == (b not in moved)
+
+
+def test_unchanged_steps_add_to_stable_steps_as_one_by_one():
+    """The tracker's unchanged commits owe their steps to every bucket at once: what it
+    saves, and when a bucket waiting for stable_steps=3 is packed, are as if added each step."""
+    masks = [np.arange(10) % 2 == 0, np.arange(6) < 6, None]
+    engine = _engine([10, 6, 4], np.float32, stable_steps=3)
+    packed = []
+    for _ in range(6):
+        engine.begin_step(lambda: masks)
+        packed.append(engine.tracker.buckets[0].packed)
+        engine.end_step()
+    assert packed == [False, False, False, True, True, True]
+    saved = engine.tracker.state_dict()["buckets"]
+    assert [b["stable_steps"] for b in saved] == [5, 5, 5]

@@ -183,31 +183,82 @@ def _special(rng, flat):
     return flat
 
 
+def _masks(rng, size):
+    """Masks that reach every branch of the bitmap-driven kernels: random densities (bytes with
+    some bits set), none and all (bytes of 0 and of 0xFF), one survivor, whole bytes kept
+    between whole bytes pruned, and the padding byte of an odd length."""
+    masks = [rng.random(size) < density for density in (0.0, 0.3, 0.9, 1.0)]
+    if size:
+        one = np.zeros(size, bool)
+        one[rng.integers(size)] = True
+        masks += [one, (np.arange(size) // 8) % 3 == 1, np.arange(size) >= size - 1]
+    return masks
+
+
 def test_in_place_compact_and_expand_match_the_reference():
     rng = np.random.default_rng(7)
     for dtype in DTYPES:
-        for size in (0, 1, 2, 7, 5003, BIG):
+        for size in (0, 1, 2, 7, 8, 16, 5003, BIG):
             flat = _special(rng, _gradient(rng, size, dtype))
-            cases = [_survivors(rng, size, density, index)
-                     for density, index in itertools.product((0.0, 0.3, 0.9, 1.0), INDEX_DTYPES)]
-            cases += [np.array([rng.integers(size)], np.int32)] if size else []  # one survivor
-            for indices in cases:
-                check_both(np, "compact", flat, indices)
+            for mask in _masks(rng, size):
+                bits = np.packbits(mask)
+                check_both(np, "compact", flat, bits, int(mask.sum()))
                 payload = _special(rng, _gradient(rng, size, dtype, spread=100.0))
                 for divisor in (None, 3, 4):
-                    check_both(np, "expand", payload, indices, divisor)
+                    check_both(np, "expand", payload, bits, int(mask.sum()), divisor)
+
+
+@ON_EVERY_ROUTE
+def test_compact_and_expand_are_the_masked_gather_and_scatter(xp):
+    """The bitmap-driven pair against what it replaces, positions taken from the mask:
+    compaction's prefix is the gather of the survivors, expansion the scatter of the payload,
+    both bit for bit (NaN/Inf included), on every route (CuPy arrays take the reference)."""
+    rng = np.random.default_rng(11)
+    for dtype in _xp_dtypes(xp):
+        for size in (1, 9, 5003, BIG):
+            for mask in _masks(rng, size):
+                flat, bits = _special(rng, _gradient(rng, size, dtype)), np.packbits(mask)
+                kept = np.flatnonzero(mask)
+                gathered = flat[kept]
+                got = kernels.compact(xp, xp.asarray(flat.copy()), xp.asarray(bits), kept.size)
+                assert_same(got, gathered)
+                payload = np.concatenate([gathered * 3, flat[kept.size:]])
+                want = reference.scatter(np, gathered * 3, kept, np.empty_like(flat), 3)
+                got = kernels.expand(xp, xp.asarray(payload), xp.asarray(bits), kept.size, 3)
+                assert_same(got, want)
+
+
+def test_bad_bits_are_refused_before_a_kernel_runs():
+    flat = np.zeros(10, np.float32)
+    with pytest.raises(ValueError, match="mask of 10 coordinates, got 1 uint8"):
+        kernels.compact(np, flat, np.zeros(1, np.uint8), 0)
+    for name in ("compact", "expand"):  # a count not the bits': refused before anything moves
+        for bits, count in [(np.array([1, 0], np.uint8), 2), (np.array([255, 0], np.uint8), 7),
+                            (np.array([255, 0b11000000], np.uint8), 3)]:
+            before = flat.copy()
+            with pytest.raises(ValueError, match=f"the bits hold .* survivors, not {count}"):
+                getattr(kernels, name)(np, flat, bits, count)
+            np.testing.assert_array_equal(flat, before)
+    for bits, count, match in [(np.zeros(1, np.uint8), 0, "got 1 uint8"),
+                               (np.zeros(2, np.int8), 0, "got 2 int8"),
+                               (np.array([0, 0b00100000], np.uint8), 0, "got 2 uint8"),
+                               (np.zeros(2, np.uint8), 11, "11 survivors")]:
+        with pytest.raises(ValueError, match=match):
+            kernels.expand(np, flat, bits, count)
+    kernels.expand(np, flat, np.array([0, 0b01000000], np.uint8), 1)  # the last coordinate
 
 
 def test_expanding_in_the_wrong_order_is_caught():
     """Negative control: survivors moved back first first overwrite a payload value before it
     is read; the cases above (adjacent survivors) see it."""
     flat, indices = np.array([1.0, 2.0, 3.0], np.float32), np.array([1, 2], np.int32)
+    bits = np.packbits(np.array([False, True, True]))
     wrong = flat.copy()
     for j in range(indices.size):
         wrong[indices[j]] = wrong[j]
-    want = reference.expand(np, flat.copy(), indices)
+    want = reference.expand(np, flat.copy(), bits, 2)
     assert not np.array_equal(wrong, want)
-    np.testing.assert_array_equal(kernels.expand(np, flat.copy(), indices), want)
+    np.testing.assert_array_equal(kernels.expand(np, flat.copy(), bits, 2), want)
     np.testing.assert_array_equal(want, [0.0, 1.0, 2.0])
 
 

@@ -1,6 +1,7 @@
 """What pacmpi keeps per bucket: masks as bitmaps (chunked reads equal the bool mask's), int32
 survivor positions, and memory_report() counting the live arrays; ``pacmpi bench memory`` and
 ``pacmpi bench hook``."""
+import itertools
 import json
 import os
 import sys
@@ -59,6 +60,22 @@ def test_bitmap_reads_equal_the_bool_mask(chunk):
             assert not bitmap.matches(np.append(mask, True))
 
 
+def test_joined_bitmaps_are_the_masks_end_to_end(chunk):
+    """Parts (bitmaps of odd sizes and all-kept stretches, some over a chunk) whose bits do
+    not start on a byte of the result; empty parts and no parts."""
+    rng = np.random.default_rng(3)
+    for sizes in [(), (0,), (3, 0, 5), (1, 7, 9, 8, 2), (2 * chunk + 3, 5, 17)]:
+        for kinds in itertools.product(("bits", "kept"), repeat=len(sizes)):
+            masks = [rng.random(n) < 0.5 if kind == "bits" else np.ones(n, bool)
+                     for n, kind in zip(sizes, kinds)]
+            parts = [Bitmap(m) if kind == "bits" else m.size for m, kind in zip(masks, kinds)]
+            whole = np.concatenate(masks) if masks else np.zeros(0, bool)
+            joined = Bitmap.joined(np, parts)
+            assert (joined.size, joined.count) == (whole.size, whole.sum())
+            np.testing.assert_array_equal(joined.bits, np.packbits(whole))
+            assert joined.matches(whole)
+
+
 def test_fingerprint_of_the_bits_is_the_masks_whatever_the_chunking(monkeypatch):
     rng = np.random.default_rng(1)
     masks = [rng.random(size) < 0.3 for size in (0, 5, 32, 33, 4099)]
@@ -83,17 +100,20 @@ def _stepped(quantize, density, size=1001, steps=3, **options):
 
 def test_memory_report_counts_the_live_arrays():
     reducer, kept = _stepped(None, 0.5)
-    assert reducer.engine.packed_indices(0).dtype == np.int32
     report = reducer.memory_report()
-    # Lossless payloads are the bucket's own front (compacted in place): no buffer.
-    assert report == {"indices": 4 * kept, "snapshots": (1001 + 7) // 8, "payloads": 0,
+    # Lossless payloads are the bucket's own front, compacted in place as the mask's bits say:
+    # no positions, no buffer.
+    assert report == {"indices": 0, "snapshots": (1001 + 7) // 8, "payloads": 0,
                       "words": 0, "residuals": 0, "fusion": 0}
+    assert reducer.engine.packed_indices(0).dtype == np.int32  # made when asked for
+    assert reducer.memory_report() == dict(report, indices=4 * kept)
     dense, _ = _stepped(None, 1.0)  # nothing pruned: nothing packed
-    assert dense.memory_report() == dict(report, indices=0)
-    fp16, _ = _stepped("fp16", 0.5)  # a float16 copy of the survivors
-    assert fp16.memory_report() == dict(report, payloads=2 * kept)
+    assert dense.memory_report() == report
+    fp16, _ = _stepped("fp16", 0.5)  # a float16 copy of the survivors, gathered by position
+    assert fp16.memory_report() == dict(report, indices=4 * kept, payloads=2 * kept)
     ternary, _ = _stepped("ternary", 0.5)
     report = ternary.memory_report()
+    assert report["indices"] == 4 * kept
     assert report["residuals"] == 0 and report["payloads"] == 0  # error feedback is off
     codec = ternary.engine.codec
     assert report["words"] == codec.words_for(kept) * codec.word_dtype.itemsize > 0
@@ -134,7 +154,9 @@ def test_bench_memory_rows_add_up():
     for row in rows:
         assert row["kept"] == pytest.approx(sum(row[c] for c in memory.COMPONENTS))
         assert row["peak"] >= 0
-    assert rows[1]["indices"] == 0.5 and rows[1]["payloads"] == 0  # int32, in place
+    # Lossless: compacted in place as the mask's bits say; ternary: int32 positions.
+    assert rows[1]["indices"] == 0 and rows[1]["payloads"] == 0
+    assert rows[3]["indices"] == 0.5
     assert "indices" in memory.format_table(rows).splitlines()[0]
 
 
@@ -142,7 +164,8 @@ def test_bench_memory_rows_add_up():
 def test_bench_hook_rows_on_two_ranks(tmp_path):
     """``pacmpi bench hook`` on 2 ranks, both parts, small: every rank exits 0 (gloo's exit
     abort once failed it); memory rows add up, the lossless hook keeps no payload (its DDP
-    buckets are compacted in place); time rows carry pacmpi's wall and CPU time."""
+    buckets are compacted in place, driven by a bitmap); time rows carry pacmpi's wall and
+    CPU time."""
     out = tmp_path / "hook.json"
     argv = mpirun_argv(2) + [sys.executable, "-m", "pacmpi.cli", "bench", "hook", "--layers",
                              "2", "--width", "64", "--densities", "0.5", "--tensors", "4,8",
@@ -155,7 +178,8 @@ def test_bench_hook_rows_on_two_ranks(tmp_path):
     assert set(rows) == {"lossless", "ternary"}
     for row in rows.values():
         assert row["kept"] == pytest.approx(sum(row[c] for c in memory.COMPONENTS))
-    assert rows["lossless"]["payloads"] == 0 and rows["lossless"]["indices"] > 0
+    # The group's survivors as one bitmap (1 bit per float32 coordinate), no positions.
+    assert rows["lossless"]["payloads"] == 0 and 0 < rows["lossless"]["indices"] <= 1 / 32
     timed = [row for row in report["time"] if row["mode"] != "plain"]
     assert [(row["tensors"], row["mode"]) for row in timed] == [
         (4, "lossless"), (4, "ternary"), (8, "lossless"), (8, "ternary")]

@@ -1,8 +1,9 @@
 """``python -m pacmpi.bench.codec``: the codec kernels of one bucket, fused vs the reference.
 
 For a gradient of ``--size`` values (``--dtype``, float32 by default) at each ``--density``,
-times absmax, ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather and
-scatter through :mod:`pacmpi.kernels` on the fused route and on the NumPy reference, next to a
+times absmax, ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather,
+scatter and the in-place pair compact / expand (survivors to the front and back, driven by the
+mask's bits) through :mod:`pacmpi.kernels` on the fused route and on the NumPy reference, next to a
 plain ``copyto`` of the same buffer in the same run. Two rates per call: GB/s of the dense
 gradient (``size * itemsize`` bytes), so densities compare directly, and the share of copyto's
 memory bandwidth that the call's own traffic reaches (:func:`bytes_moved`: what it must read
@@ -23,7 +24,8 @@ from . import harness
 
 __all__ = ["run", "bytes_moved", "format_table", "build_parser", "main"]
 
-OPS = ("copyto", "absmax", "ternary_encode", "ternary_decode", "gather", "scatter")
+OPS = ("copyto", "absmax", "ternary_encode", "ternary_decode", "gather", "scatter", "compact",
+       "expand")
 
 
 def _parse_count(text):
@@ -53,6 +55,11 @@ class _Bucket:
         self.summed = self.words * codec.word_dtype.type(codec.world_size)
         self.packed = xp.empty(self.count, dtype)
         self.out = xp.empty(size, dtype)
+        self.bits = None
+        if indices is not None:
+            mask = np.zeros(size, bool)
+            mask[indices] = True
+            self.bits = xp.asarray(np.packbits(mask))
 
     def call(self, op):
         """A no-argument callable running ``op`` (None where it does not apply: no gather and
@@ -71,15 +78,20 @@ class _Bucket:
             "scatter": (lambda: kernels.scatter(xp, self.out, None, self.out, n))
             if self.indices is None else
             (lambda: kernels.scatter(xp, self.packed, self.indices, self.out, n)),
+            # In place on out (its values do not change the work): no call when dense.
+            "compact": None if self.bits is None else
+            lambda: kernels.compact(xp, self.out, self.bits, self.count),
+            "expand": None if self.bits is None else
+            lambda: kernels.expand(xp, self.out, self.bits, self.count, n),
         }
         return calls[op]
 
 
 def bytes_moved(op, bucket):
     """Bytes that ``op`` on ``bucket`` must read and write at least: the survivors' values,
-    their int64 indices when packed, the compute-dtype residual (read, and written back by
-    the encoder), the packed words, and for the scattering ops the whole output (zeroed, then
-    the survivors written)."""
+    their int64 indices when packed (the mask's bits for compact / expand), the compute-dtype
+    residual (read, and written back by the encoder), the packed words, and for the
+    scattering ops the whole output (zeroed, then the survivors written)."""
     values = bucket.count * bucket.flat.itemsize
     index = 0 if bucket.indices is None else bucket.count * 8
     residual = bucket.residual.nbytes
@@ -91,7 +103,9 @@ def bytes_moved(op, bucket):
             "ternary_encode": values + index + 2 * residual + words,
             "ternary_decode": words + index + zeroed + values,
             "gather": 2 * values + index,
-            "scatter": 2 * values + index + zeroed}[op]
+            "scatter": 2 * values + index + zeroed,
+            "compact": 2 * values + (bucket.out.size + 7) // 8,
+            "expand": values + dense + (bucket.out.size + 7) // 8}[op]
 
 
 def _first_calls(buckets, route, import_seconds):

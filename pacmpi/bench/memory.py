@@ -12,7 +12,9 @@ random mask. Reported per rank, each as a ratio of the gradient's bytes:
 - ``peak``: the largest NumPy allocation above what existed before the reducer was built
   (tracemalloc), temporaries included;
 - ``rss``: the peak resident memory above the same starting point (Linux ``VmHWM``, reset
-  through ``/proc/self/clear_refs``).
+  through ``/proc/self/clear_refs``), less that of the same steps of a plain in-place
+  all-reduce of the gradient: the MPI library's own scratch (Open MPI's all-reduce takes about
+  half the message per call), which any all-reduce of it pays, is not pacmpi's.
 
 The DDP hook and the Horovod compressor are measured by ``pacmpi bench hook`` (they need torch),
 with the same components and columns (:func:`format_table`).
@@ -20,6 +22,7 @@ with the same components and columns (:func:`format_table`).
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import tracemalloc
@@ -31,7 +34,7 @@ from ..engine import MEMORY_COMPONENTS
 from ..units import parse_size
 from . import harness
 
-__all__ = ["COMPONENTS", "ResidentPeak", "run", "format_table", "main"]
+__all__ = ["COMPONENTS", "ResidentPeak", "fixed_mmap_threshold", "run", "format_table", "main"]
 
 COMPONENTS = MEMORY_COMPONENTS + ("fusion",)
 MODES = {"lossless": None, "fp16": "fp16", "ternary": "ternary"}
@@ -45,10 +48,16 @@ def _status_kib(field):
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def _fixed_mmap_threshold():
+@functools.cache
+def fixed_mmap_threshold():
     """Large blocks from their own mappings, returned to the system when freed: glibc's default
     raises its threshold after the first such free, keeping later arrays' pages resident after
-    they are freed, which would hide them from the next measurement's peak."""
+    they are freed, which would hide them from the next measurement's peak.
+
+    Once per process, and best before any other thread starts: ``mallopt`` is not thread-safe
+    (glibc marks it MT-Unsafe). Called again at every measurement while the DDP benchmark's
+    gloo threads allocated, it crashed about 1 run in 10 with a segmentation fault in one of
+    them."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: a fixed value turns the raising off
@@ -62,7 +71,7 @@ class ResidentPeak:
     the peak cannot be reset, ``rss`` is None."""
 
     def start(self):
-        _fixed_mmap_threshold()
+        fixed_mmap_threshold()
         gc.collect()
         try:
             with open("/proc/self/clear_refs", "w") as fh:
@@ -70,21 +79,20 @@ class ResidentPeak:
             self._rss = _status_kib("VmRSS")
         except OSError:
             self._rss = None
-        self._tracing = not tracemalloc.is_tracing()  # ours to stop
-        if self._tracing:
+        if not tracemalloc.is_tracing():
             tracemalloc.start()
         tracemalloc.reset_peak()
         self._traced = tracemalloc.get_traced_memory()[0]
         return self
 
     def stop(self):
-        """``{"peak": bytes, "rss": bytes or None}``. Stops tracing if :meth:`start` began it:
-        left on, it slows every later allocation of the process (``pacmpi bench hook``'s time
-        part, run after its memory part, read 2.5-2.8x the hook's own time lossless and
-        3.6-3.9x ternary at 400 tensors)."""
+        """``{"peak": bytes, "rss": bytes or None}``. Tracing stays on: stopping it while
+        another thread allocates raw memory without the GIL (a transport's thread taking the GIL
+        for a callback) frees the tables that thread is writing (CPython gh-128679, fixed
+        after 3.11): ``pacmpi bench hook`` crashed with a segmentation fault in 1 run of 4-10.
+        Tracing slows every later allocation (the hook's own time read 2.5-3.9x at 400 tensors
+        with it on), so time afterwards in another process, or before the first ``start``."""
         peak = tracemalloc.get_traced_memory()[1] - self._traced
-        if self._tracing:
-            tracemalloc.stop()
         rss = None if self._rss is None else (_status_kib("VmHWM") - self._rss) * 1024
         return {"peak": peak, "rss": rss}
 
@@ -128,6 +136,16 @@ def _measure(elements, density, mode, steps, comm):
     return row
 
 
+def _plain(elements, steps, comm):
+    """Peak resident memory of ``steps`` plain in-place SUM all-reduces of the gradient."""
+    from mpi4py import MPI
+    grad = np.random.default_rng(0).standard_normal(elements, dtype=np.float32)
+    peak = ResidentPeak().start()
+    for _ in range(steps):
+        comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
+    return peak.stop()["rss"]
+
+
 def run(elements=1 << 22, densities=(1.0, 0.5, 0.2), modes=("lossless", "ternary"), steps=3,
         comm=None):
     """Rows of :func:`ratio_row` for the reducer, each rank's largest number (MAX over
@@ -138,10 +156,12 @@ def run(elements=1 << 22, densities=(1.0, 0.5, 0.2), modes=("lossless", "ternary
     kernels.warm_up([np.float32])  # compile (or load) the kernels: not a step's memory
     for mode in modes:  # import lazily what a step needs
         _measure(4096, 0.5, mode, 2, comm)
-    rows = []
+    rows, plain = [], _plain(elements, steps, comm)
     for mode in modes:
         for density in densities:
             row = _measure(elements, density, mode, steps, comm)
+            if row["rss"] is not None and plain is not None:
+                row["rss"] -= plain / (elements * 4)
             for key in COMPONENTS + ("kept", "peak", "rss"):
                 if row[key] is not None:
                     row[key] = comm.allreduce(row[key], op=MPI.MAX)
@@ -173,6 +193,7 @@ def build_parser(parser=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    fixed_mmap_threshold()  # before MPI starts its threads
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:

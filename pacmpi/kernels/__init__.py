@@ -126,8 +126,9 @@ def warm_up(dtypes=None):
         residual = np.zeros(count, compute_dtype(dtype))
         gather(np, flat, indices, np.empty(count, dtype))
         scatter(np, np.ones(count, dtype), indices, flat, 2)
-        compact(np, flat, indices)
-        expand(np, flat, indices, 2)
+        bits = np.packbits(np.arange(flat.size) % 2 == 0)
+        compact(np, flat, bits, count)
+        expand(np, flat, bits, count, 2)
         absmax(np, flat, indices, residual)
         for word in ("int32", "int64"):  # the kernels see unsigned views: one of each width
             codec = TernaryCodec(2, word)
@@ -212,24 +213,39 @@ def scatter(xp, payload, indices, flat, divisor=None):
     return fused.scatter(payload, indices, flat, divisor)
 
 
-def compact(xp, flat, indices):
-    """``flat[:n] = flat[indices]`` in place for ``n`` survivors at ascending ``indices``: the
-    lossless payload written over the bucket's own front, no buffer. Returns ``flat[:n]``.
-    Compiled for NumPy arrays (one thread: moving forward in place does not split into
-    chunks); CuPy arrays take the reference, which copies the survivors first."""
-    indices = _positions(indices)
-    if backend(xp) != "numba" or not (flat.flags.c_contiguous and indices.flags.c_contiguous):
-        return reference.compact(xp, flat, indices)
-    return _cpu().compact(flat, indices)
+def _check_bits(name, bits, flat, count=None):
+    """The compiled kernels do not check bounds: ``bits`` must be one mask of ``flat.size``
+    coordinates (``count`` of them set, when given), its padding bits 0."""
+    pad = -flat.size % 8
+    if (bits.dtype != np.uint8 or bits.ndim != 1 or bits.size != (flat.size + 7) // 8
+            or (pad and int(bits[-1]) & ((1 << pad) - 1))):
+        raise ValueError(f"{name}: bits must be packbits of a mask of {flat.size} coordinates, "
+                         f"got {bits.size} {bits.dtype} bytes")
+    if count is not None and not 0 <= count <= flat.size:
+        raise ValueError(f"{name}: {count} survivors do not fit {flat.size} elements")
 
 
-def expand(xp, flat, indices, divisor=None):
-    """The inverse of :func:`compact`, in place: :func:`scatter` of ``flat[:n]`` (the reduced
-    payload) into ``flat``, which may be ``flat`` itself only this way. Returns ``flat``."""
-    indices = _positions(indices)
-    if backend(xp) != "numba" or not (flat.flags.c_contiguous and indices.flags.c_contiguous):
-        return reference.expand(xp, flat, indices, divisor)
-    return _cpu().expand(flat, indices, divisor)
+def compact(xp, flat, bits, count):
+    """``flat[:count] = flat[mask]`` in place for the ``count`` coordinates set in ``bits``
+    (``packbits`` of the mask, 1 bit per coordinate: no position array): the lossless payload
+    written over the bucket's own front, no buffer; the rest of ``flat`` as it was. Returns
+    ``flat[:count]``. Compiled for NumPy arrays (one thread: moving forward in place does not
+    split into chunks); CuPy arrays take the reference, which copies the survivors first. A
+    ``count`` other than the bits' raises ValueError before anything moves."""
+    _check_bits("compact", bits, flat, count)
+    if backend(xp) != "numba" or not (flat.flags.c_contiguous and bits.flags.c_contiguous):
+        return reference.compact(xp, flat, bits, count)
+    return _cpu().compact(flat, bits, count)
+
+
+def expand(xp, flat, bits, count, divisor=None):
+    """The inverse of :func:`compact`, in place: :func:`scatter` of ``flat[:count]`` (the
+    reduced payload of the ``count`` coordinates set in ``bits``) into ``flat``. Returns
+    ``flat``."""
+    _check_bits("expand", bits, flat, count)
+    if backend(xp) != "numba" or not (flat.flags.c_contiguous and bits.flags.c_contiguous):
+        return reference.expand(xp, flat, bits, count, divisor)
+    return _cpu().expand(flat, bits, count, divisor)
 
 
 def absmax(xp, flat, indices, residual):

@@ -94,6 +94,14 @@ def _mulhi(typingctx, a, b):
     return types.uint64(types.uint64, types.uint64), codegen
 
 
+@intrinsic
+def _popcount(typingctx, x):
+    """Set bits of a uint64 (one x86 ``popcnt``)."""
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+    return types.uint64(types.uint64), codegen
+
+
 @njit(**_JIT)
 def _quotient(x, magic, shift):
     """``x // divisor`` for any uint64 ``x`` by Granlund-Montgomery multiplication, with
@@ -292,6 +300,29 @@ def _divide_impl(x, divisor):
     return lambda x, divisor: x / divisor
 
 
+def _divide_bits(x, divisor):
+    """:func:`_divide` of an element's integer view (:func:`_bit_view`), as that view."""
+
+
+def _kept(x, bit):
+    """``x`` (an integer) when ``bit`` is 1, else 0, without a branch."""
+
+
+@overload(_divide_bits)
+def _divide_bits_impl(x, divisor):
+    if x == types.uint32:
+        return lambda x, divisor: _U32(_float_bits(_bits_float(x, np.float32(0)) / divisor))
+    if x == types.uint64:
+        return lambda x, divisor: _float_bits(_bits_float(x, np.float64(0)) / divisor)
+    return lambda x, divisor: _divide(x, divisor)
+
+
+@overload(_kept)
+def _kept_impl(x, bit):
+    kind = numba.np.numpy_support.as_dtype(x).type
+    return lambda x, bit: kind(x * kind(bit))
+
+
 @overload(_as_float)
 def _as_float_impl(value, like):
     if like == types.float32:
@@ -356,29 +387,90 @@ def _scatter(payload, indices, packed, flat, divisor, divide):
 
 
 # In place, one thread: a parallel chunk would overwrite values another chunk has yet to read.
+# Driven by the mask's bits (``packbits`` order: the first coordinate is bit 7 of byte 0),
+# so the survivors need no position array.
 @njit(**_JIT)
-def _compact(flat, indices):
-    """Survivor j moves forward from indices[j] >= j to j, first first: nothing unread is
-    overwritten."""
-    for j in range(indices.size):
-        flat[np.uint64(j)] = flat[np.uint64(indices[np.uint64(j)])]
+def _count_bits(bits):
+    """How many bits of ``bits`` (uint8) are set, 8 bytes at a time."""
+    whole = bits.size // 8
+    total = np.uint64(0)
+    for word in bits[:whole * 8].view(np.uint64):
+        total += _popcount(word)
+    for k in range(whole * 8, bits.size):
+        total += _popcount(np.uint64(bits[k]))
+    return total
 
 
 @njit(**_JIT)
-def _expand(flat, indices, divisor, divide):
-    """Survivor j moves back from j to indices[j] >= j, last first, each read before anything
-    lands on it; the gap after its new place (read already) becomes 0."""
-    end = np.uint64(flat.size)
-    for i in range(indices.size):
-        j = np.uint64(indices.size - 1 - i)
-        x = flat[j]
-        if divide:
-            x = _divide(x, divisor)
-        position = np.uint64(indices[j])
-        flat[position + _ONE:end].fill(0)
-        flat[position] = x
-        end = position
-    flat[:end].fill(0)
+def _compact(flat, bits, count):
+    """Survivors move forward, first first, from coordinate i to their rank j <= i among the
+    ``count`` survivors (as many as ``bits`` has set): nothing unread is overwritten.
+
+    Branch-free within a byte (a random mask's bits are unpredictable): every coordinate is
+    copied to ``flat[j]``, which only a survivor then claims by advancing j; until then
+    ``flat[j]`` is a place already read. So after the last survivor ``flat[count]`` may take
+    a pruned value: it is put back (it was read at i = count, before any such copy). The last,
+    partial byte is not read past the end."""
+    held = flat[min(count, flat.size - 1)] if flat.size else flat.dtype.type(0)
+    j = np.uint64(0)
+    full = flat.size // 8
+    for byte in range(full):
+        b = np.uint64(bits[byte])
+        if b == 0:
+            continue
+        i = np.uint64(byte) * np.uint64(8)
+        for t in range(8):
+            flat[j] = flat[i + np.uint64(t)]
+            j += (b >> np.uint64(7 - t)) & _ONE
+    if full < bits.size:
+        b = np.uint64(bits[full])
+        i = np.uint64(full) * np.uint64(8)
+        for t in range(flat.size - full * 8):
+            if (b >> np.uint64(7 - t)) & _ONE:
+                flat[j] = flat[i + np.uint64(t)]
+                j += _ONE
+    if count < flat.size:
+        flat[count] = held
+
+
+@njit(**_JIT)
+def _expand(flat, bits, count, divisor, divide):
+    """Survivors move back, last first, from their rank j to coordinate i >= j; every
+    coordinate from the end down is written once (its survivor or 0) after every payload value
+    at or above it was read. ``flat`` is the values' integer view (:func:`_bit_view`).
+
+    Branch-free within a byte, as :func:`_compact`: each coordinate reads ``flat[j - bit]``
+    (in range: a pruned coordinate's j is at most its own place) and keeps it times its bit,
+    an integer product, so a pruned coordinate gets +0 whatever the value read (NaN
+    included). The last, partial byte, done first, is not read past the end."""
+    j = np.uint64(count)
+    size = flat.size
+    full = size // 8
+    if full < bits.size:
+        b = np.uint64(bits[full])
+        i = full * 8
+        for t in range(size - i - 1, -1, -1):
+            if (b >> np.uint64(7 - t)) & _ONE:
+                j -= _ONE
+                x = flat[j]
+                flat[i + t] = _divide_bits(x, divisor) if divide else x
+            else:
+                flat[i + t] = 0
+    for k in range(full):
+        byte = full - 1 - k
+        b = np.uint64(bits[byte])
+        i = np.uint64(byte) * np.uint64(8)
+        if b == 0:
+            for t in range(8):
+                flat[i + np.uint64(t)] = 0
+            continue
+        for t in range(7, -1, -1):
+            bit = (b >> np.uint64(7 - t)) & _ONE
+            j -= bit
+            x = flat[j]
+            if divide:
+                x = _divide_bits(x, divisor)
+            flat[i + np.uint64(t)] = _kept(x, bit)
 
 
 @njit(**_PARALLEL)
@@ -651,15 +743,31 @@ def scatter(payload, indices, flat, divisor=None):
     return flat
 
 
-def compact(flat, indices):
-    _compact(_view(flat), _indices(indices, flat.size)[0])
-    return flat[:indices.size]
+def _check_count(name, bits, count):
+    """The kernels index by ``count`` unchecked: it must be the bits' (the engine's counts
+    come from the same bits, so this is a caller's error)."""
+    found = _count_bits(bits)
+    if found != count:
+        raise ValueError(f"{name}: the bits hold {found} survivors, not {count}")
 
 
-def expand(flat, indices, divisor=None):
+def compact(flat, bits, count):
+    _check_count("compact", bits, count)
+    _compact(_view(flat), bits, count)
+    return flat[:count]
+
+
+def _bit_view(array):
+    """The array's elements as unsigned integers of their width (bfloat16: int16, as
+    :func:`_view`)."""
+    return array if array.dtype.itemsize == 2 else array.view(f"u{array.dtype.itemsize}")
+
+
+def expand(flat, bits, count, divisor=None):
+    _check_count("expand", bits, count)
     divide = divisor is not None
     value = compute_dtype(flat.dtype).type(flat.dtype.type(divisor if divide else 1))
-    _expand(_view(flat), _indices(indices, flat.size)[0], value, divide)
+    _expand(_bit_view(_view(flat)), bits, count, value, divide)
     return flat
 
 

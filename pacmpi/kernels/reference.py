@@ -81,15 +81,27 @@ def scatter(xp, payload, indices, flat, divisor=None):
     return _place(xp, values, indices, flat)
 
 
-def compact(xp, flat, indices):
-    """``flat[:n] = flat[indices]`` (n survivors, ascending positions); returns ``flat[:n]``."""
-    flat[:indices.size] = flat[indices]
-    return flat[:indices.size]
+def _kept(xp, bits, size):
+    """Positions of the set bits among the first ``size`` of ``bits`` (``packbits`` order)."""
+    return xp.flatnonzero(xp.unpackbits(bits)[:size])
 
 
-def expand(xp, flat, indices, divisor=None):
-    """The inverse of :func:`compact`, as :func:`scatter` of ``flat[:n]`` into ``flat``."""
-    return scatter(xp, flat[:indices.size].copy(), indices, flat, divisor)
+def compact(xp, flat, bits, count):
+    """``flat[:count] = flat[mask]`` for the ``count`` coordinates set in ``bits`` (``packbits``
+    of the mask); returns ``flat[:count]``."""
+    kept = _kept(xp, bits, flat.size)
+    if kept.size != count:
+        raise ValueError(f"compact: the bits hold {kept.size} survivors, not {count}")
+    flat[:count] = flat[kept]
+    return flat[:count]
+
+
+def expand(xp, flat, bits, count, divisor=None):
+    """The inverse of :func:`compact`, as :func:`scatter` of ``flat[:count]`` into ``flat``."""
+    kept = _kept(xp, bits, flat.size)
+    if kept.size != count:
+        raise ValueError(f"expand: the bits hold {kept.size} survivors, not {count}")
+    return scatter(xp, flat[:count].copy(), kept, flat, divisor)
 
 
 def absmax(xp, flat, indices, residual):
