@@ -190,14 +190,15 @@ class PacTrainHookState:
         else:
             slots = self._check_bucket(bucket, index, last)
             size = sum(self.engine.buckets[s].size for s in slots)
-        if index == 0:
-            self.engine.begin_step(self._flat_masks, None, self._write_masks)
-            self._current = []
-        self._current.append((ids, slots, size))
         # One payload: lossless, the survivors moved to the bucket's front (or all of it).
         flat = as_array(buffer)[:size]
         with _on_stream(buffer):
-            self.engine.agree_scales({slots: flat})  # ternary: one MAX all-reduce
+            if index == 0:  # ternary: bucket 0's scales ride in the verification all-reduce
+                self.engine.begin_step(self._flat_masks, None, self._write_masks,
+                                       scale_flats=lambda: {slots: flat}, scale_units=(slots,))
+                self._current = []
+            self._current.append((ids, slots, size))
+            self.engine.agree_scales({slots: flat})  # ternary: one MAX all-reduce, if any
             with self._lock:
                 wire, ctx = self.engine.encode(slots, flat, in_place=True)
         payloads, parts = [as_tensor(wire)], [(wire, ctx, flat)]

@@ -18,7 +18,6 @@ Buckets whose arrays lie back to back (a DDP bucket's parameters) can be encoded
 each keeps its own mask, scale, key and residual, and the group's payload is theirs back to
 back, built in a few calls whatever their number.
 """
-import math
 import operator
 import time
 import warnings
@@ -115,6 +114,7 @@ def _unit(u):
     return u[0] if isinstance(u, tuple) and len(u) == 1 else u
 
 
+
 class _Group:
     """Buckets whose flat arrays lie back to back in one array (a DDP bucket's parameters),
     sent as one payload, so a step costs one gather and one scatter whatever the number of
@@ -125,7 +125,7 @@ class _Group:
     ``(bucket, start, stop, payload start)`` of the members sent dense with a mask to apply."""
 
     __slots__ = ("slots", "key", "states", "masked", "count", "packed", "size", "nbytes",
-                 "offsets", "step", "epoch", "table", "_positions", "_bitmap")
+                 "offsets", "step", "epoch", "table", "steady", "_positions", "_bitmap")
 
     def __init__(self, slots, states, specs, key, step):
         sizes = [specs[s].size for s in slots]
@@ -141,6 +141,11 @@ class _Group:
                        zip(slots, states, offsets, sizes, starts)
                        if not state.packed and state.mask is not None and state.survivors < n]
         self.count = int(starts[-1]) if self.packed else self.size
+        # Whether what it sends is fixed until a member's mask changes: every member packed,
+        # or unmasked, or with nothing pruned (a ternary scale agreed early still holds).
+        self.steady = self.count > 0 and all(
+            state.packed or state.mask is None or state.survivors == n
+            for state, n in zip(states, sizes))
 
     def positions(self):
         """The survivors' positions in the group's array (``None``: all are sent)."""
@@ -205,16 +210,6 @@ class _Residual:
         full = xp.zeros(size, dtype=self.values.dtype)
         full[self.indices] = self.values
         return full
-
-
-def _float_bits(value):
-    """Non-negative float -> int64 of its float64 bits; NaN -> Inf's (the scale is never NaN)."""
-    value = math.inf if math.isnan(value) else value
-    return int(np.array(value, dtype=np.float64).view(np.int64))
-
-
-def _bits_float(bits):
-    return float(np.array(bits, dtype=np.int64).view(np.float64))
 
 
 def check_options(*, quantize=None, on_mismatch="raise", verify_every=1, ternary_scale="tensor"):
@@ -319,7 +314,8 @@ class StepEngine:
     def verification_due(self):
         return self.step % self.verify_every == 0
 
-    def begin_step(self, read_masks, local_error=None, write_masks=None, scale_flats=None):
+    def begin_step(self, read_masks, local_error=None, write_masks=None, scale_flats=None,
+                   scale_units=None):
         """Start a step: verify when due, then every rank knows which buckets it packs.
 
         ``read_masks()`` returns each bucket's current flat boolean mask (an array of the
@@ -327,8 +323,9 @@ class StepEngine:
         steps and only when ``local_error`` is ``None``. ``local_error`` (an exception found by
         the front end's own input checks) is raised on every rank as a RankInputError.
         ``write_masks(flats)`` stores rank 0's masks during a resync. ``scale_flats()``, when
-        every bucket's gradient is already at hand (bucket -> flat), lets a ternary step agree
-        on its scales inside the verification all-reduce instead of in one of their own.
+        gradients are already at hand (bucket or group -> flat: ``scale_units``, every bucket
+        when None, the same on every rank), lets a ternary step agree on their scales inside
+        the verification all-reduce instead of in one of their own.
         """
         if not self.verification_due():
             if local_error is not None:
@@ -346,9 +343,10 @@ class StepEngine:
         if local_error is None:
             flats, observations = self._observe(flats)
             fields.update(self._fields(observations))
-        fused = self._steady_buckets() if scale_flats is not None else {}
-        fields.update(self._scale_fields(fused, scale_flats if local_error is None else None))
-        mismatched, maxima = agree(self.collectives, fields)
+        fused = [] if scale_flats is None else self._steady(
+            range(len(self.buckets)) if scale_units is None else map(_unit, scale_units))
+        scale_bits = self._scale_bits(fused, scale_flats if local_error is None else None)
+        mismatched, maxima = agree(self.collectives, fields, scale_bits)
         self.stats["verifications"] += 1
         if "input_error" in mismatched or fields["input_error"]:
             raise_together(self.collectives, local_error)
@@ -365,44 +363,38 @@ class StepEngine:
         self.tracker.commit(self.step, observations, flats)
         if not masks_differ:
             self.tracker.pack_ready()
-            # The scales hold where each bucket is sent as it was when they were computed.
-            self._scales = {b: self._agreed_fields(b, maxima) for b, indices in fused.items()
-                            if self.packed_indices(b) is indices}
         if self.tracker.changes != self._changes:  # the groups check their members again
             self._changes = self.tracker.changes
             self._epoch += 1
+        if not masks_differ:
+            # The scales hold where each unit is sent as it was when they were computed (its
+            # group is the same object: rebuilt whenever a member's packing or mask changes).
+            scales = np.split(scale_bits.view(np.float64), np.cumsum([n for *_, n in fused]))
+            self._scales = {u: agreed.copy() for (u, group, _), agreed in zip(fused, scales)
+                            if self._group_of(u) is group}
         self.stats["verify_seconds"] += time.perf_counter() - started
 
-    def _steady_buckets(self):
-        """Ternary buckets whose payload the last agreed verification fixed (packed, or
-        unmasked, or with nothing pruned), as bucket -> survivor indices. Every rank finds the
-        same ones; none before a first agreed verification, whose layout they rely on."""
+    def _steady(self, units):
+        """The ternary buckets or groups among ``units`` whose payload the last agreed
+        verification fixed (every member packed, or unmasked, or with nothing pruned), as
+        ``(unit, its group, its number of segments)``. Every rank finds the same ones; none
+        before a first agreed verification, whose layout they rely on."""
         if self.quantize != "ternary" or self.tracker.last_commit_step is None:
-            return {}
-        return {b: state.positions() for b, state in enumerate(self.tracker.buckets)
-                if self._payload_count(b) and (state.packed or state.mask is None
-                                               or state.survivors == self.buckets[b].size)}
+            return []
+        groups = [(u, self._group_of(u)) for u in units]
+        return [(u, group, len(self.segment_table(u))) for u, group in groups if group.steady]
 
-    def _scale_fields(self, fused, scale_flats):
-        """``scale<b>.<s>`` fields, one per segment with survivors: each local absmax's float64
-        bits as int64 (for non-negative floats the integer order is the float order, so MAX
-        over the bits is the MAX scale); zeros when ``scale_flats`` is None (a rank with bad
-        input: the step raises anyway)."""
-        flats = scale_flats() if fused and scale_flats is not None else {}
-        fields = {}
-        for b in fused:
-            table = self.segment_table(b)
-            local = self._local_scale(b, flats[b]) if flats else np.zeros(len(table))
-            fields.update((f"scale{b}.{s}", _float_bits(local[s])) for s in table.filled)
-        return fields
-
-    def _agreed_fields(self, b, maxima):
-        """Bucket ``b``'s scales from the verification's maxima (0.0 for empty segments)."""
-        table = self.segment_table(b)
-        scales = np.zeros(len(table))
-        for s in table.filled:
-            scales[s] = _bits_float(maxima[f"scale{b}.{s}"])
-        return scales
+    def _scale_bits(self, fused, scale_flats):
+        """The local absmax of every segment of the units of ``fused`` (:meth:`_steady`), in
+        their order, as the int64 of its float64 bits: for non-negative floats the integer
+        order is the float order, so MAX over the bits is the MAX scale (NaN as Inf's bits: a
+        scale is never NaN). Zeros when ``scale_flats`` is None (a rank with bad input: the
+        step raises anyway)."""
+        flats = {} if not fused or scale_flats is None else {
+            _unit(u): flat for u, flat in scale_flats().items()}
+        local = [self._local_scale(u, flats[u]) if flats else np.zeros(n) for u, _, n in fused]
+        local = np.concatenate(local) if local else np.zeros(0)
+        return np.where(np.isnan(local), np.inf, local).astype(np.float64).view(np.int64)
 
     def segment_table(self, u):
         """The :class:`pacmpi.segments.SegmentTable` of bucket ``u`` (its tensors; one segment
@@ -746,7 +738,7 @@ class StepEngine:
     def _local_scale(self, b, flat):
         """This rank's part of bucket ``b``'s scales, before the MAX over ranks: per segment,
         its max |gradient + residual| over what the bucket sends (masking first on the dense
-        path, a no-op for the steady buckets of :meth:`_steady_buckets`)."""
+        path, a no-op for the steady buckets of :meth:`_steady`)."""
         xp = array_module(flat)
         self._apply_mask(b, flat)
         residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype),

@@ -150,7 +150,7 @@ class HierarchicalEngine(StepEngine):
     def _code_ranks(self, collectives):
         return collectives.nodes
 
-    def _steady_buckets(self):
+    def _steady(self, units):
         # Scales come from node sums, which exist only after the verification: none fused.
         return {}
 

@@ -10,17 +10,21 @@ from .errors import RankInputError
 __all__ = ["agree", "gather_details", "offending_ranks", "raise_together", "run_together"]
 
 
-def agree(collectives, fields):
+def agree(collectives, fields, extra=None):
     """Names of the entries of ``fields`` (name -> int) that differ between ranks.
 
     All ranks must pass the same field names in the same order. One all-reduce of
     ``[x, -x]`` with MAX yields every field's maximum and minimum, so each rank learns the
-    same verdict from the same numbers. Returns ``(mismatched_names, maxima)``.
+    same verdict from the same numbers. Returns ``(mismatched_names, maxima)``. ``extra``
+    (int64 values of the same length on every rank, not compared) rides along: its maxima
+    replace it in place.
     """
     values = np.fromiter(fields.values(), dtype=np.int64, count=len(fields))
-    buf = np.concatenate([values, -values])
+    extra = np.zeros(0, np.int64) if extra is None else extra
+    buf = np.concatenate([values, -values, extra])
     collectives.allreduce(buf, "max")
-    maxima, minima = buf[:len(values)], -buf[len(values):]
+    extra[...] = buf[2 * len(values):]
+    maxima, minima = buf[:len(values)], -buf[len(values):2 * len(values)]
     names = list(fields)
     mismatched = [names[i] for i in np.flatnonzero(maxima != minima)]
     return mismatched, dict(zip(names, (int(v) for v in maxima)))

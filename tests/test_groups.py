@@ -122,7 +122,9 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
     members' words back to back and its decode theirs, step after step, through a mask
     change, error feedback on and off, and the groups changing (DDP rebuilding its buckets:
     ``regroup`` splits the group in two at step 2, the residuals following their buckets);
-    the checkpointed residuals are the buckets' own (zeros for one that never sent a value)."""
+    the checkpointed residuals are the buckets' own (zeros for one that never sent a value).
+    The grouped engine agrees its first group's scales inside the verification (as the DDP
+    hook does for its bucket 0), the other engine in an all-reduce of their own."""
     rng = np.random.default_rng(seed)
     sizes = [n for n, _ in members]
     masks = [None if d is None else rng.random(n) < d for n, d in members]
@@ -138,9 +140,11 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         if regroup and step >= 2 and len(sizes) > 1:
             groups = [everything[:len(sizes) // 2], everything[len(sizes) // 2:]]
         grad = (rng.standard_normal(int(offsets[-1])) * 10.0).astype(dtype)
-        for engine in (grouped, alone):
-            engine.begin_step(lambda: masks)
         flat, each = grad.copy(), grad.copy()
+        first = groups[0]
+        grouped.begin_step(lambda: masks, scale_units=(first,), scale_flats=lambda: {
+            first: flat[offsets[first[0]]:offsets[first[-1] + 1]]})
+        alone.begin_step(lambda: masks)
         for group in groups:
             lo, hi = offsets[group[0]], offsets[group[-1] + 1]
             grouped.agree_scales({group: flat[lo:hi]})
@@ -165,6 +169,45 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
             kept = np.ones(sizes[b], bool) if masks[b] is None else masks[b]
             want = wanted.get(b, np.zeros(sizes[b], saved[b].dtype))
             np.testing.assert_array_equal(_bits(saved[b][kept]), _bits(want[kept]))
+
+
+class _Counting(MPICollectives):
+    """MPICollectives counting its all-reduces."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.allreduces = 0
+
+    def allreduce(self, *args, **kw):
+        self.allreduces += 1
+        return super().allreduce(*args, **kw)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_steady_groups_scales_ride_in_the_verification(fused):
+    """Once a group's layout is fixed (packed, from the step after a mask is agreed), its
+    scales are agreed in the verification all-reduce: one all-reduce per step, not two; the
+    first step (no agreed layout yet) and a step whose mask changes take their own. The
+    control (``fused=False``) takes two every step."""
+    sizes = [30, 5, 12]
+    masks = [np.arange(30) % 3 > 0, None, np.arange(12) < 4]
+    specs = [BucketSpec(f"t{i}", np.dtype(np.float32), n) for i, n in enumerate(sizes)]
+    collectives = _Counting(comm=MPI.COMM_SELF)
+    engine = StepEngine(collectives, specs, quantize="ternary", stable_steps=0)
+    group, counts = (0, 1, 2), []
+    for step in range(5):
+        if step == 3:
+            masks[0][0] = not masks[0][0]
+        flat = np.random.default_rng(step).standard_normal(47).astype(np.float32)
+        before = collectives.allreduces
+        options = dict(scale_units=(group,), scale_flats=lambda: {group: flat}) if fused else {}
+        engine.begin_step(lambda: masks, **options)
+        engine.agree_scales({group: flat})
+        wire, ctx = engine.encode(group, flat)
+        engine.decode(wire, ctx, flat)
+        engine.end_step()
+        counts.append(collectives.allreduces - before)
+    assert counts == ([2, 1, 1, 2, 1] if fused else [2] * 5)
 
 
 def test_a_nonfinite_value_sends_its_ternary_group_unquantized():
