@@ -114,7 +114,6 @@ def _unit(u):
     return u[0] if isinstance(u, tuple) and len(u) == 1 else u
 
 
-
 class _Group:
     """Buckets whose flat arrays lie back to back in one array (a DDP bucket's parameters),
     sent as one payload, so a step costs one gather and one scatter whatever the number of
