@@ -92,10 +92,11 @@ class Encoded:
     ``"ternary"`` (ternary words, one scale per segment of ``segments``, a
     :class:`pacmpi.segments.SegmentTable`).
     ``indices`` says where the payload's values go back: survivor positions (``None``: all
-    coordinates), for ``"compact"`` the survivors' :class:`pacmpi.bitmaps.Bitmap`.
+    coordinates), for ``"compact"`` and a ternary payload quantized from the compacted front
+    of the bucket the survivors' :class:`pacmpi.bitmaps.Bitmap`.
     ``residual`` is the error-feedback residual to keep once the result is back, so an abandoned
-    step leaves the residuals as they were. ``scratch``: the engine's buffer the payload was
-    written into, lent until the decode.
+    step leaves the residuals as they were (an encode in place has updated them already).
+    ``scratch``: the engine's buffer the payload was written into, lent until the decode.
     """
 
     bucket: int
@@ -181,34 +182,35 @@ class _Group:
 
 
 class _Residual:
-    """Error-feedback residual of one bucket, aligned with its payload: full length while the
-    bucket is reduced dense, survivor-compact while packed (``indices``). ``spare`` is the
-    buffer the next encode writes into, swapped in when its result is decoded."""
+    """Error-feedback residual of one bucket or group, aligned with its payload: full length
+    while it is sent dense, its survivors' while packed (``layout``: their
+    :class:`pacmpi.bitmaps.Bitmap`). ``spare``: the buffer an encode that is not in place
+    writes the next residual into, swapped in when its result is decoded."""
 
-    __slots__ = ("values", "indices", "spare")
+    __slots__ = ("values", "layout", "spare")
 
-    def __init__(self, values, indices):
-        self.values, self.indices, self.spare = values, indices, None
+    def __init__(self, values, layout):
+        self.values, self.layout, self.spare = values, layout, None
 
-    def aligned(self, xp, indices, size):
-        """The residual laid out for ``indices`` (``None``: dense over ``size`` elements)."""
-        if self.indices is indices:
+    def aligned(self, xp, layout, size):
+        """The residual laid out for ``layout`` (``None``: dense over ``size`` elements)."""
+        if self.layout is layout:
             return self.values
-        self.spare = None  # laid out for the old indices: freed before the new layout is made
-        full = self.values
-        if self.indices is not None:
-            full = xp.zeros(size, dtype=self.values.dtype)
-            full[self.indices] = self.values
-        self.values = full if indices is None else full[indices]
-        self.indices, self.spare = indices, None
+        self.spare = None  # laid out for the old layout: freed before the new one is made
+        # Full length: the values themselves when dense (the engine's own array, compacted in
+        # place), else a new array; the old values go before the new ones are made.
+        full, self.values = self.full(xp, size), None
+        if layout is not None:
+            full = kernels.compact(xp, full, layout.bits, layout.count).copy()
+        self.values, self.layout = full, layout
         return self.values
 
     def full(self, xp, size):
-        if self.indices is None:
+        if self.layout is None:
             return self.values
         full = xp.zeros(size, dtype=self.values.dtype)
-        full[self.indices] = self.values
-        return full
+        full[:self.values.size] = self.values
+        return kernels.expand(xp, full, self.layout.bits, self.layout.count)
 
 
 def check_options(*, quantize=None, on_mismatch="raise", verify_every=1, ternary_scale="tensor"):
@@ -410,7 +412,7 @@ class StepEngine:
                 sizes = spec.segments if self.ternary_scale == "tensor" and spec.segments \
                     else (spec.size,)
             digits = self.codec.digits_per_word if self.codec is not None else 1
-            group.table = SegmentTable(sizes, group.positions(), digits)
+            group.table = SegmentTable(sizes, group.bitmap(), digits, group.positions)
         return group.table
 
     def end_step(self):
@@ -740,8 +742,7 @@ class StepEngine:
         path, a no-op for the steady buckets of :meth:`_steady`)."""
         xp = array_module(flat)
         self._apply_mask(b, flat)
-        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype),
-                                      self._group_of(b).positions())
+        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype))
         return self.segment_table(b).absmax(xp, flat, residual)
 
     def _agree(self, local, name):
@@ -767,22 +768,22 @@ class StepEngine:
             self.tracker.buckets[s].mask.zero_pruned(flat[lo:hi])
         return len(group.masked)
 
-    def _residual_for(self, u, xp, compute, indices):
+    def _residual_for(self, u, xp, compute):
         """The error-feedback residual of ``u`` (a bucket or a group: one array over the
-        group, aligned with its payload) for the payload positions ``indices``."""
+        group, aligned with its payload)."""
         if not self.error_feedback:
             return None
         group = self._group_of(u)
+        layout = group.bitmap()
         entry = self._residuals.get(u)
         if entry is None:
             entry = self._gathered_residual(u if isinstance(u, tuple) else (u,), xp)
         if entry is None or entry.values.dtype != compute:  # zeros, laid out as the payload
-            entry = _Residual(xp.zeros(group.size if indices is None else indices.size,
-                                       dtype=compute), indices)
+            entry = _Residual(xp.zeros(group.count, dtype=compute), layout)
             self._residuals[u] = entry
         elif array_module(entry.values) is not xp:  # restored from a checkpoint (host)
             entry.values, entry.spare = xp.asarray(to_host(entry.values)), None
-        values = entry.aligned(xp, indices, group.size)
+        values = entry.aligned(xp, layout, group.size)
         for s, lo, hi, at in group.masked:
             # Residuals of coordinates a new mask prunes are dropped with them.
             self.tracker.buckets[s].mask.zero_pruned(values[at:at + hi - lo])
@@ -834,7 +835,9 @@ class StepEngine:
         ``in_place=True`` a packed lossless bucket's ``flat[:survivors]`` (its survivors moved
         to the front: no buffer; ``flat`` holds no gradient until :meth:`decode` gets this
         prefix back, in place), or else a buffer the engine owns until :meth:`decode`. Reduce
-        it with SUM.
+        it with SUM. ``in_place=True`` is for front ends whose step, once encoded, is decoded
+        or given up with its gradient: a packed ternary bucket is quantized from its compacted
+        front too, and its error-feedback residual is updated by the encode (no spare).
         """
         started = time.perf_counter()
         b = _unit(b)
@@ -846,12 +849,10 @@ class StepEngine:
         self.stats["dense_elements_equivalent"] += group.size
         self.stats["dense_bytes_equivalent"] += group.nbytes
         count = group.count
-        if self.quantize is None and in_place and group.packed:
-            bitmap = group.bitmap()
-            wire = kernels.compact(xp, flat, bitmap.bits, count)
-            ctx = Encoded(b, "compact", bitmap, self.generation, count=count)
-        elif self.quantize == "ternary" and count:
-            wire, ctx = self._encode_ternary(b, xp, flat, group.positions(), count)
+        if self.quantize == "ternary" and count:
+            wire, ctx = self._encode_ternary(b, xp, flat, group, in_place)
+        elif self.quantize != "fp16" and in_place and group.packed:  # (ternary: nothing sent)
+            wire, ctx = self._compacted(b, xp, flat, group)
         elif group.packed or self.quantize == "fp16":
             indices = group.positions()
             wire_dtype = np.dtype(np.float16) if self.quantize == "fp16" else flat.dtype
@@ -878,20 +879,44 @@ class StepEngine:
         group.step = self.step
         return group
 
-    def _encode_ternary(self, b, xp, flat, indices, count):
+    def _compacted(self, b, xp, flat, group):
+        """Bucket ``b``'s survivors moved to the front of ``flat`` in place (its payload, no
+        buffer) and the context that moves them back."""
+        bitmap = group.bitmap()
+        wire = kernels.compact(xp, flat, bitmap.bits, group.count)
+        return wire, Encoded(b, "compact", bitmap, self.generation, count=group.count)
+
+    # In place, a packed ternary payload is quantized from the bucket's own front (no survivor
+    # positions); a subclass that quantizes other values (node sums) says no.
+    _TERNARY_IN_PLACE = True
+
+    def _encode_ternary(self, b, xp, flat, group, in_place):
+        """Ternary words of bucket ``b`` and their context. ``in_place`` (the bucket is the
+        front end's storage, which holds no gradient until the decode): packed survivors are
+        compacted to the front first, and the error-feedback residual is updated right here,
+        with no second buffer; otherwise read through survivor positions, with the new
+        residual kept aside until the result is decoded (an abandoned step keeps the old)."""
+        count = group.count
         scales = self._agreed_scales(b, flat)
         # Fetched even for a step sent unquantized: the residual then still drops what this
         # step's mask prunes, as on every other step.
-        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype), indices)
+        residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype))
+        compact = in_place and group.packed and self._TERNARY_IN_PLACE
         if not np.isfinite(scales).all():
             # NaN/Inf on some rank: send this bucket unquantized, so the non-finite values
             # propagate exactly as on the dense path and the scale is never NaN.
             self.stats["nonfinite_fallbacks"] += 1
-            return self._unquantized(b, xp, flat, indices, count)
+            if compact:
+                return self._compacted(b, xp, flat, group)
+            return self._unquantized(b, xp, flat, group.positions(), count)
         table = self.segment_table(b)
-        words, new_residual = self._ternary_words(b, xp, flat, residual, scales, table)
-        return words, Encoded(b, "ternary", indices, self.generation, scales=scales,
-                              segments=table, count=count, residual=new_residual)
+        if compact:
+            flat = kernels.compact(xp, flat, group.bitmap().bits, count)
+        words, new_residual = self._ternary_words(b, xp, flat, residual, scales, table,
+                                                  compact=compact, in_place=in_place)
+        return words, Encoded(b, "ternary", group.bitmap() if compact else group.positions(),
+                              self.generation, scales=scales, segments=table, count=count,
+                              residual=new_residual)
 
     def _unquantized(self, b, xp, flat, indices, count):
         """Payload and context of a ternary bucket sent as it is (a non-finite scale)."""
@@ -900,12 +925,16 @@ class StepEngine:
         wire = kernels.gather(xp, flat, indices, self._scratch(xp, count, flat.dtype))
         return wire, Encoded(b, "copy", indices, self.generation, count=count)
 
-    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False):
+    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False,
+                       in_place=False):
         """Quantize what bucket ``b`` sends of ``flat`` (``compact``: ``flat`` is already the
         payload's values) plus ``residual`` into its words, segment by segment of ``table``
-        with this rank's key; returns the words and the new residual (``None``: not kept)."""
+        with this rank's key; returns the words and the new residual to keep at the decode
+        (``None``: not kept, or, ``in_place``, written over ``residual`` already)."""
         new_residual = None
-        if residual is not None:
+        if residual is not None and in_place:
+            new_residual = residual
+        elif residual is not None:
             entry = self._residuals[b]
             if entry.spare is None or entry.spare.size != residual.size:
                 entry.spare = xp.empty(residual.size, dtype=residual.dtype)
@@ -914,7 +943,7 @@ class StepEngine:
         key = ternary_key(self.seed, self.step, members, self.collectives.rank)
         words = self._scratch(xp, table.words, self.codec.word_dtype)
         table.encode(xp, flat, residual, new_residual, scales, key, self.codec, words, compact)
-        return words, new_residual
+        return words, None if in_place else new_residual
 
     def decode(self, wire, ctx, flat):
         """Write the reduced ``wire`` (the payload :meth:`encode` returned, summed over ranks)
@@ -924,8 +953,11 @@ class StepEngine:
         xp = array_module(flat)
         divisor = self.collectives.size if self.average and self.collectives.size > 1 else None
         if ctx.kind == "ternary":
+            compacted = isinstance(ctx.indices, Bitmap)
             ctx.segments.decode(xp, wire, self.codec, self.codec.world_size, ctx.scales,
-                                divisor, flat)
+                                divisor, flat, compact=compacted)
+            if compacted:
+                kernels.expand(xp, flat, ctx.indices.bits, ctx.count)
             if ctx.residual is not None and ctx.generation == self.generation:
                 entry = self._residuals[ctx.bucket]
                 entry.values, entry.spare = ctx.residual, entry.values
@@ -1029,7 +1061,7 @@ class StepEngine:
                               RuntimeWarning, stacklevel=4)
             self.tracker, self._changes = tracker, None
             self._epoch += 1
-            self._residuals = ({int(b): _Residual(np.asarray(r), None)
+            self._residuals = ({int(b): _Residual(np.array(r), None)  # the engine's own
                                 for b, r in state["residuals"].items()} if same_world else {})
             self.step = state["step"]
             self.stats = dict(dict.fromkeys(COUNTERS, 0), **state["stats"])

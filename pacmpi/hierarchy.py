@@ -146,6 +146,7 @@ class HierarchicalEngine(StepEngine):
     the leader's quantized node sum (see the module's docstring)."""
 
     _CACHES = StepEngine._CACHES + ("_node_sums",)  # bucket -> this step's node sum
+    _TERNARY_IN_PLACE = False  # the leader quantizes its node sum, not the bucket's front
 
     def _code_ranks(self, collectives):
         return collectives.nodes
@@ -171,7 +172,7 @@ class HierarchicalEngine(StepEngine):
         table = self.segment_table(b)
         if not self.collectives.is_leader:
             return np.zeros(len(table))
-        return table.absmax(xp, total, self._residual_for(b, xp, compute, indices), compact=True)
+        return table.absmax(xp, total, self._residual_for(b, xp, compute), compact=True)
 
     def _unquantized(self, b, xp, flat, indices, count):
         # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds this
@@ -181,7 +182,8 @@ class HierarchicalEngine(StepEngine):
             total[...] = 0
         return total, Encoded(b, "copy", indices, self.generation, count=count)
 
-    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False):
+    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False,
+                       in_place=False):
         # The leader quantizes the node sum (laid out as the payload), not its own gradient;
         # the others send digit 0 everywhere, which adds nothing to the leaders' digit sums.
         total = self._node_sums.pop(b)
@@ -189,13 +191,14 @@ class HierarchicalEngine(StepEngine):
             words = self._scratch(xp, table.words, self.codec.word_dtype)
             words[...] = 0
             return words, None
-        return super()._ternary_words(b, xp, total, residual, scales, table, compact=True)
+        return super()._ternary_words(b, xp, total, residual, scales, table, compact=True,
+                                      in_place=in_place)
 
-    def _residual_for(self, b, xp, compute, indices):
+    def _residual_for(self, b, xp, compute):
         # The residual is the node sum's: the leader keeps it, the others none.
         if not self.collectives.is_leader:
             return None
-        return super()._residual_for(b, xp, compute, indices)
+        return super()._residual_for(b, xp, compute)
 
     def state_dict(self):
         """As :meth:`StepEngine.state_dict`, with the node layout the leaders' residuals

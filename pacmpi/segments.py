@@ -19,6 +19,7 @@ import numpy as np
 
 from . import kernels
 from .arrays import array_module, to_host
+from .bitmaps import Bitmap
 from .hashing import uniform_from
 
 __all__ = ["SegmentTable"]
@@ -28,12 +29,15 @@ class SegmentTable:
     """The segments of one bucket for one survivor layout (built once per mask change).
 
     ``sizes``: the tensors' element counts, in bucket order (their sum is the bucket's size);
-    ``indices``: the survivors' ascending positions in the bucket, ``None`` for a bucket sent
-    dense; ``digits``: digits per word of the codec. Attributes (host int64 arrays of one more
-    entry than segments): ``offsets`` in the bucket, ``starts`` in the payload, ``word_starts``
-    in the words; ``words`` the payload's word count. A segment done on its own reads the
-    bucket through its slice of ``indices`` and decodes into its tensor through positions
-    rebased to it, made for that call only: the table keeps no copy of the positions.
+    ``indices``: the survivors' ascending positions in the bucket, or their
+    :class:`pacmpi.bitmaps.Bitmap` (``positions``: where its positions come from when asked for,
+    default the bitmap's), ``None`` for a bucket sent dense; ``digits``: digits per word of the
+    codec. A bitmap's table finds the scales (:meth:`absmax`) from its bits and works on
+    compacted payloads (``compact=True``) without positions. Attributes (host int64 arrays of
+    one more entry than segments): ``offsets`` in the bucket, ``starts`` in the payload,
+    ``word_starts`` in the words; ``words`` the payload's word count. A segment done on its own
+    reads the bucket through its slice of ``indices`` and decodes into its tensor through
+    positions rebased to it, made for that call only: the table keeps no copy of the positions.
 
     On the Numba route the segments with fewer than its ``SERIAL_BELOW`` values are done in one
     serial call for all of them (:func:`pacmpi.kernels.segments_module`), so a bucket of many
@@ -41,10 +45,14 @@ class SegmentTable:
     on the reference and CuPy routes, one call each.
     """
 
-    def __init__(self, sizes, indices, digits):
+    def __init__(self, sizes, indices, digits, positions=None):
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self.indices = indices
-        if indices is None:
+        self.bits, self._indices, self._make_positions = None, indices, positions
+        if isinstance(indices, Bitmap):
+            self.bits, self._indices = indices.bits, None
+            self._make_positions = positions or indices.positions
+            self.starts = indices.counts_before(self.offsets)
+        elif indices is None:
             self.starts = self.offsets
         else:
             xp = array_module(indices)
@@ -54,6 +62,15 @@ class SegmentTable:
         self.word_starts = np.concatenate([[0], np.cumsum(-(-self.counts // digits))])
         self.words = int(self.word_starts[-1])
         self.filled = np.flatnonzero(self.counts)  # segments with a survivor: the ones with a scale
+
+    @property
+    def indices(self):
+        """The survivors' positions (``None``: dense); a table made from a bitmap asks for them
+        only when a segment is read or written through them (:meth:`encode` and :meth:`decode`
+        of a payload that is not compacted)."""
+        if self._indices is None and self._make_positions is not None:
+            self._indices = self._make_positions()
+        return self._indices
 
     def __len__(self):
         return self.offsets.size - 1
@@ -71,7 +88,7 @@ class SegmentTable:
         residual."""
         s0, s1 = self.starts[s], self.starts[s + 1]
         part = None if residual is None else residual[s0:s1]
-        if self.indices is None or compact:
+        if compact or self.indices is None:
             return flat[s0:s1], None, part
         return flat, self.indices[s0:s1], part
 
@@ -79,6 +96,9 @@ class SegmentTable:
         """Per segment ``max |flat + residual|`` over its survivors (float64, 0.0 when it has
         none; NaN or Inf when a value is not finite)."""
         maxima = np.zeros(len(self))
+        if self.bits is not None and not compact:
+            return kernels.absmax_bits(xp, flat, self.bits, residual, self.offsets, self.starts,
+                                       self.filled, maxima)
         indices = None if compact else self.indices
         fused = kernels.segments_module(xp, flat, indices, residual)
         together, alone = self._split(fused, self.filled)
@@ -112,23 +132,27 @@ class SegmentTable:
                                    words[self.word_starts[s]:self.word_starts[s + 1]])
         return words
 
-    def decode(self, xp, words, codec, ranks, scales, divisor, flat):
+    def decode(self, xp, words, codec, ranks, scales, divisor, flat, compact=False):
         """:func:`pacmpi.kernels.ternary_decode` of each segment into its tensor's part of the
-        bucket's ``flat`` (pruned coordinates, and tensors without survivors, exactly 0)."""
-        fused = kernels.segments_module(xp, words, self.indices, flat)
+        bucket's ``flat`` (pruned coordinates, and tensors without survivors, exactly 0);
+        ``compact``: into the payload's place instead, ``flat[starts[s]:starts[s + 1]]`` (the
+        survivors at the front, as :func:`pacmpi.kernels.expand` takes them)."""
+        indices = None if compact else self.indices
+        targets = self.starts if compact else self.offsets
+        fused = kernels.segments_module(xp, words, indices, flat)
         together, alone = self._split(fused, np.arange(len(self)))
         if together.size:
             fused.ternary_decode_segments(words, codec, ranks, np.asarray(scales, np.float64),
-                                          divisor, self.indices, flat, self.offsets,
-                                          self.starts, self.word_starts, together)
+                                          divisor, indices, flat, targets, self.starts,
+                                          self.word_starts, together)
         for s in alone:
-            target = flat[self.offsets[s]:self.offsets[s + 1]]
+            target = flat[targets[s]:targets[s + 1]]
             if self.starts[s] == self.starts[s + 1]:
                 target[...] = 0
                 continue
-            local = None if self.indices is None else \
-                self.indices[self.starts[s]:self.starts[s + 1]] - \
-                self.indices.dtype.type(self.offsets[s])  # for this call only
+            local = None if indices is None else \
+                indices[self.starts[s]:self.starts[s + 1]] - \
+                indices.dtype.type(self.offsets[s])  # for this call only
             kernels.ternary_decode(xp, words[self.word_starts[s]:self.word_starts[s + 1]],
                                    int(self.starts[s + 1] - self.starts[s]), codec, ranks,
                                    float(scales[s]), divisor, local, target)

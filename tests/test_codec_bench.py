@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pacmpi import kernels
 from pacmpi.bench import codec
 from pacmpi.ternary import TernaryCodec
 
@@ -36,6 +37,12 @@ def test_bytes_moved_counts_values_indices_residuals_words_and_zeroing(dtype, it
     assert codec.bytes_moved("compact", packed) == 2 * packed.count * itemsize + size // 8
     assert codec.bytes_moved("expand", packed) == (packed.count + size) * itemsize + size // 8
     assert dense.call("compact") is None and packed.call("compact") is not None
+    # Scales through the bits read every coordinate, the bits and the survivors' residual.
+    assert codec.bytes_moved("absmax_bits", packed) == \
+        size * itemsize + packed.count * residual + size // 8
+    assert dense.call("absmax_bits") is None
+    packed.call("absmax_bits")()
+    assert packed.top[0] == kernels.absmax(np, packed.flat, packed.indices, packed.residual)
 
 
 def test_bfloat16_run_reports_each_op_against_copyto(tmp_path):

@@ -115,16 +115,19 @@ def test_a_groups_positions_are_built_once_per_mask_change():
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(members=st.lists(member, min_size=1, max_size=8), dtype=st.sampled_from(DTYPES),
        error_feedback=st.booleans(), stable_steps=st.integers(0, 1),
-       regroup=st.booleans(), seed=st.integers(0, 2**31))
+       regroup=st.booleans(), in_place=st.booleans(), seed=st.integers(0, 2**31))
 def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
-        route, members, dtype, error_feedback, stable_steps, regroup, seed):
+        route, members, dtype, error_feedback, stable_steps, regroup, in_place, seed):
     """Ternary: each member its own scale, key and residual, so the group's words are its
     members' words back to back and its decode theirs, step after step, through a mask
     change, error feedback on and off, and the groups changing (DDP rebuilding its buckets:
     ``regroup`` splits the group in two at step 2, the residuals following their buckets);
     the checkpointed residuals are the buckets' own (zeros for one that never sent a value).
     The grouped engine agrees its first group's scales inside the verification (as the DDP
-    hook does for its bucket 0), the other engine in an all-reduce of their own."""
+    hook does for its bucket 0), the other engine in an all-reduce of their own; with
+    ``in_place`` the grouped engine quantizes a packed group from its compacted front, reading
+    the scales through the mask's bits and updating the residuals at the encode (no positions,
+    no spare), and every word, value and residual is still the same."""
     rng = np.random.default_rng(seed)
     sizes = [n for n, _ in members]
     masks = [None if d is None else rng.random(n) < d for n, d in members]
@@ -148,7 +151,7 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         for group in groups:
             lo, hi = offsets[group[0]], offsets[group[-1] + 1]
             grouped.agree_scales({group: flat[lo:hi]})
-            wire, ctx = grouped.encode(group, flat[lo:hi])
+            wire, ctx = grouped.encode(group, flat[lo:hi], in_place=in_place)
             views = {b: each[offsets[b]:offsets[b + 1]] for b in group}
             alone.agree_scales(views)
             parts = [alone.encode(b, views[b]) + (b,) for b in group]
@@ -161,6 +164,11 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         np.testing.assert_array_equal(_bits(flat), _bits(each))
         for engine in (grouped, alone):
             engine.end_step()
+        if in_place:
+            report = grouped.memory_report()
+            assert all(g._positions is None for g in grouped._groups.values()), "positions"
+            assert report["residuals"] == sum(  # one array per group, no spare
+                e.values.nbytes for e in grouped._residuals.values())
         saved, wanted = grouped.state_dict()["residuals"], alone.state_dict()["residuals"]
         assert set(wanted) <= set(saved)  # a bucket that sent nothing alone kept no residual
         for b in saved:
@@ -223,6 +231,26 @@ def test_a_nonfinite_value_sends_its_ternary_group_unquantized():
     assert ctx.kind == "copy" and wire.dtype == np.float32
     engine.decode(wire, ctx, flat)
     np.testing.assert_array_equal(flat, grad * np.array([1, 0, 1, 1, 0, 1] + [1] * 5))
+    assert engine.stats["nonfinite_fallbacks"] == 1
+
+
+def test_a_nonfinite_value_sends_a_compacted_ternary_group_as_lossless():
+    """In place, the unquantized payload of a packed group is its compacted front."""
+    engine = _engine([6, 5], np.float32, quantize="ternary", stable_steps=0,
+                     error_feedback=True)
+    mask = np.array([1, 0, 1, 1, 0, 1], bool)
+    for value, kind in ((1.0, "ternary"), (np.inf, "compact")):
+        engine.begin_step(lambda: [mask, None])
+        grad = np.arange(11, dtype=np.float32)
+        grad[7] = value
+        flat = grad.copy()
+        engine.agree_scales({(0, 1): flat})
+        wire, ctx = engine.encode((0, 1), flat, in_place=True)
+        assert ctx.kind == kind and (wire.base is flat) == (kind == "compact")
+        engine.decode(wire, ctx, flat)
+        engine.end_step()
+        if kind == "compact":
+            np.testing.assert_array_equal(flat, grad * np.concatenate([mask, [1] * 5]))
     assert engine.stats["nonfinite_fallbacks"] == 1
 
 

@@ -548,7 +548,7 @@ def test_warm_up_compiles_every_signature_a_step_needs():
     words = 2  # uint32 and uint64 views
     expected = {"gather": 4, "scatter": 4, "compact": 4, "expand": 4, "absmax": 4,
                 "ternary_encode": 4 * words, "ternary_decode": 4 * words,
-                "absmax_segments": 4, "ternary_encode_segments": 4 * words,
+                "absmax_segments": 4, "absmax_bits": 4, "ternary_encode_segments": 4 * words,
                 "ternary_decode_segments": 4 * words}
     for name, kernel in cpu._KERNELS.items():  # the parallel kernels and their serial twins
         for version in cpu._versions(kernel):

@@ -111,15 +111,16 @@ def test_memory_report_counts_the_live_arrays():
     assert dense.memory_report() == report
     fp16, _ = _stepped("fp16", 0.5)  # a float16 copy of the survivors, gathered by position
     assert fp16.memory_report() == dict(report, indices=4 * kept, payloads=2 * kept)
+    # Ternary quantizes the compacted front too: scales read through the bits, no positions.
     ternary, _ = _stepped("ternary", 0.5)
     report = ternary.memory_report()
-    assert report["indices"] == 4 * kept
+    assert report["indices"] == 0
     assert report["residuals"] == 0 and report["payloads"] == 0  # error feedback is off
     codec = ternary.engine.codec
     assert report["words"] == codec.words_for(kept) * codec.word_dtype.itemsize > 0
-    # With error feedback: the survivors' residual, and the spare the next encode writes into.
+    # With error feedback: the survivors' residual, updated by the encode (no spare).
     with_feedback, _ = _stepped("ternary", 0.5, error_feedback=True)
-    assert with_feedback.memory_report() == dict(report, residuals=2 * 4 * kept)
+    assert with_feedback.memory_report() == dict(report, residuals=4 * kept)
 
 
 def test_buckets_reduced_one_after_another_share_one_payload_buffer():
@@ -154,9 +155,11 @@ def test_bench_memory_rows_add_up():
     for row in rows:
         assert row["kept"] == pytest.approx(sum(row[c] for c in memory.COMPONENTS))
         assert row["peak"] >= 0
-    # Lossless: compacted in place as the mask's bits say; ternary: int32 positions.
-    assert rows[1]["indices"] == 0 and rows[1]["payloads"] == 0
-    assert rows[3]["indices"] == 0.5
+    # Both compacted in place as the mask's bits say: no positions, no payload buffer; with
+    # error feedback one residual of the survivors (0.5x of the gradient), no spare.
+    for row in rows[1], rows[3]:
+        assert row["indices"] == 0 and row["payloads"] == 0
+    assert rows[3]["residuals"] == 0.5
     assert "indices" in memory.format_table(rows).splitlines()[0]
 
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from pacmpi import kernels
 from pacmpi.arrays import supported_float_dtypes
+from pacmpi.bitmaps import Bitmap
 from pacmpi.engine import check_options
 from pacmpi.hashing import uniform, uniform_from
 from pacmpi.segments import SegmentTable
@@ -149,25 +150,44 @@ def test_bad_scale_granularity_is_named():
 
 
 def _all_routes(sizes, flat, indices, residual, codec, ranks, divisor, key=KEY):
-    """(scales, words, residual out, decoded) of a table on the reference and on Numba."""
+    """(scales, words, residual out, decoded) of a table on the reference and on Numba; for
+    packed values also of a table made from their bitmap on each route: scales read through
+    the bits, the payload quantized from the compacted front of a copy of flat, decoded there
+    and expanded (as the engine's in-place route does)."""
     results = []
     for route in ROUTES:
         kernels.set_backend(route)
         try:
-            table = SegmentTable(sizes, indices, codec.digits_per_word)
-            scales = table.absmax(np, flat, residual)
-            # Non-finite values are never quantized (the engine sends them as they are).
-            finite = np.where(np.isfinite(scales), scales, 1.0)
-            values = np.where(np.isfinite(flat), flat, 0).astype(flat.dtype)
-            words = np.empty(table.words, codec.word_dtype)
-            out = None if residual is None else np.full_like(residual, np.nan)
-            table.encode(np, values, residual, out, finite, key, codec, words)
-            decoded = table.decode(np, words * codec.word_dtype.type(ranks), codec, ranks,
-                                   finite, divisor, np.full_like(flat, np.nan))
-            results.append((scales, words, out, decoded))
+            tables = [(SegmentTable(sizes, indices, codec.digits_per_word), False)]
+            if indices is not None:
+                mask = np.zeros(flat.size, bool)
+                mask[indices] = True
+                tables.append((SegmentTable(sizes, Bitmap(mask), codec.digits_per_word,
+                                            positions=_never), True))
+            for table, compact in tables:
+                scales = table.absmax(np, flat, residual)
+                # Non-finite values are never quantized (the engine sends them as they are).
+                finite = np.where(np.isfinite(scales), scales, 1.0)
+                values = np.where(np.isfinite(flat), flat, 0).astype(flat.dtype)
+                words = np.empty(table.words, codec.word_dtype)
+                out = None if residual is None else np.full_like(residual, np.nan)
+                target = np.full_like(flat, np.nan)
+                if compact:
+                    values = kernels.compact(np, values.copy(), table.bits, indices.size)
+                    target[:] = flat  # the decode writes the front, the expansion the rest
+                table.encode(np, values, residual, out, finite, key, codec, words, compact)
+                decoded = table.decode(np, words * codec.word_dtype.type(ranks), codec, ranks,
+                                       finite, divisor, target, compact)
+                if compact:
+                    decoded = kernels.expand(np, decoded, table.bits, indices.size)
+                results.append((scales, words, out, decoded))
         finally:
             kernels.set_backend(None)
     return results
+
+
+def _never():
+    raise AssertionError("a bitmap's table asked for positions")
 
 
 def _same_bits(a, b):
@@ -189,7 +209,8 @@ def test_small_segments_in_one_call_match_the_reference(sizes, dtype, density, w
                                                        nonfinite, word, seed):
     """Numba's one serial call over many small segments (0 and 1 survivors, dense or packed,
     NaN and Inf, float16 to float64, every word type) gives the reference's scales, words,
-    residuals and decoded values bit for bit."""
+    residuals and decoded values bit for bit; so does a packed table made from the bitmap
+    (scales read through the bits, a compacted payload), on both routes."""
     rng = np.random.default_rng(seed)
     flat = (rng.standard_normal(sum(sizes)) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
     if nonfinite and flat.size:
@@ -199,10 +220,12 @@ def test_small_segments_in_one_call_match_the_reference(sizes, dtype, density, w
     count = flat.size if indices is None else indices.size
     residual = (rng.standard_normal(count).astype(kernels.compute_dtype(flat.dtype))
                 if with_residual else None)
-    reference, compiled = _all_routes(sizes, flat, indices, residual, TernaryCodec(3, word),
-                                      3, 3 if seed % 2 else None, key=seed * 0x9E3779B1)
-    for a, b in zip(reference, compiled):
-        _same_bits(a, b)
+    reference, *others = _all_routes(sizes, flat, indices, residual, TernaryCodec(3, word),
+                                     3, 3 if seed % 2 else None, key=seed * 0x9E3779B1)
+    assert len(others) == (1 if indices is None else 3)
+    for other in others:
+        for a, b in zip(reference, other):
+            _same_bits(a, b)
 
 
 def test_small_and_large_segments_together_match_the_reference():
@@ -212,7 +235,8 @@ def test_small_and_large_segments_together_match_the_reference():
     sizes = (7, cpu.SERIAL_BELOW + 5, 0, 300, 1)
     flat, indices = _case(seed=6, sizes=sizes, density=0.9)
     residual = np.random.default_rng(7).standard_normal(indices.size).astype(np.float32)
-    reference, compiled = _all_routes(sizes, flat, indices, residual,
-                                      TernaryCodec(4, "uint64"), 4, 4)
-    for a, b in zip(reference, compiled):
-        _same_bits(a, b)
+    reference, *others = _all_routes(sizes, flat, indices, residual,
+                                     TernaryCodec(4, "uint64"), 4, 4)
+    for other in others:
+        for a, b in zip(reference, other):
+            _same_bits(a, b)

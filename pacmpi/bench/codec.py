@@ -1,7 +1,8 @@
 """``python -m pacmpi.bench.codec``: the codec kernels of one bucket, fused vs the reference.
 
 For a gradient of ``--size`` values (``--dtype``, float32 by default) at each ``--density``,
-times absmax, ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather,
+times absmax (through positions, and absmax_bits: through the mask's bits, reading every
+coordinate), ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather,
 scatter and the in-place pair compact / expand (survivors to the front and back, driven by the
 mask's bits) through :mod:`pacmpi.kernels` on the fused route and on the NumPy reference, next to a
 plain ``copyto`` of the same buffer in the same run. Two rates per call: GB/s of the dense
@@ -24,8 +25,8 @@ from . import harness
 
 __all__ = ["run", "bytes_moved", "format_table", "build_parser", "main"]
 
-OPS = ("copyto", "absmax", "ternary_encode", "ternary_decode", "gather", "scatter", "compact",
-       "expand")
+OPS = ("copyto", "absmax", "absmax_bits", "ternary_encode", "ternary_decode", "gather",
+       "scatter", "compact", "expand")
 
 
 def _parse_count(text):
@@ -55,7 +56,7 @@ class _Bucket:
         self.summed = self.words * codec.word_dtype.type(codec.world_size)
         self.packed = xp.empty(self.count, dtype)
         self.out = xp.empty(size, dtype)
-        self.bits = None
+        self.bits, self.top = None, np.zeros(1)
         if indices is not None:
             mask = np.zeros(size, bool)
             mask[indices] = True
@@ -68,6 +69,9 @@ class _Bucket:
         calls = {
             "copyto": lambda: xp.copyto(self.out, self.flat),
             "absmax": lambda: kernels.absmax(xp, self.flat, self.indices, self.residual),
+            "absmax_bits": None if self.bits is None else
+            lambda: kernels.absmax_bits(xp, self.flat, self.bits, self.residual,
+                                        [0, self.flat.size], [0, self.count], [0], self.top),
             "ternary_encode": lambda: kernels.ternary_encode(
                 xp, self.flat, self.indices, self.residual, self.residual, self.scale, self.key,
                 c, self.words),
@@ -100,6 +104,7 @@ def bytes_moved(op, bucket):
     zeroed = 0 if bucket.indices is None else dense  # a packed scatter clears flat first
     return {"copyto": 2 * dense,
             "absmax": values + index + residual,
+            "absmax_bits": dense + residual + (bucket.out.size + 7) // 8,
             "ternary_encode": values + index + 2 * residual + words,
             "ternary_decode": words + index + zeroed + values,
             "gather": 2 * values + index,

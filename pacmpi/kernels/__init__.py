@@ -24,7 +24,7 @@ import numpy as np
 from . import reference
 from .reference import compute_dtype
 
-__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits", "ternary_encode",
            "ternary_decode", "segments_module", "backend", "set_backend", "warm_up",
            "compute_dtype", "BACKENDS"]
 
@@ -130,6 +130,7 @@ def warm_up(dtypes=None):
         compact(np, flat, bits, count)
         expand(np, flat, bits, count, 2)
         absmax(np, flat, indices, residual)
+        absmax_bits(np, flat, bits, residual, [0, flat.size], [0, count], [0], np.zeros(1))
         for word in ("int32", "int64"):  # the kernels see unsigned views: one of each width
             codec = TernaryCodec(2, word)
             words = ternary_encode(np, flat, indices, residual, residual, 1.0, 0, codec,
@@ -258,6 +259,27 @@ def absmax(xp, flat, indices, residual):
     if fused is None:
         return reference.absmax(xp, flat, indices, residual)
     return fused.absmax(flat, indices, residual)
+
+
+def absmax_bits(xp, flat, bits, residual, offsets, starts, which, out):
+    """Per segment ``s`` in ``which``: ``out[s]`` = :func:`absmax` of the coordinates of
+    ``flat[offsets[s]:offsets[s + 1]]`` set in ``bits`` (``packbits`` of a mask of flat: no
+    position array) plus ``residual[starts[s]:starts[s + 1]]`` (``starts[s]``: the survivors
+    before ``offsets[s]``; ``residual=None``: none). Reads flat without changing it. Compiled
+    for NumPy arrays (one serial call for every segment); CuPy takes the reference. Returns
+    ``out`` (float64)."""
+    _check_bits("absmax_bits", bits, flat)
+    offsets, starts = np.asarray(offsets, np.int64), np.asarray(starts, np.int64)
+    if offsets.size != starts.size or offsets[-1] > flat.size or \
+            np.any(np.diff(offsets) < 0) or np.any(np.diff(starts) < 0):
+        raise ValueError(f"absmax_bits: offsets {offsets} and starts {starts} must be ascending, "
+                         f"as many, within {flat.size} elements")
+    _check_float("residual", residual, compute_dtype(flat.dtype), int(starts[-1]))
+    which = np.asarray(which, np.int64)
+    if backend(xp) != "numba" or not all(a.flags.c_contiguous for a in (flat, bits) + (
+            () if residual is None else (residual,))):
+        return reference.absmax_bits(xp, flat, bits, residual, offsets, starts, which, out)
+    return _cpu().absmax_bits(flat, bits, residual, offsets, starts, which, out)
 
 
 def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, codec, words_out):

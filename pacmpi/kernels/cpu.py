@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload
 
 from .reference import compute_dtype, digit_powers, division_tables
 
-__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits", "ternary_encode",
            "ternary_decode", "absmax_segments", "ternary_encode_segments",
            "ternary_decode_segments", "converts",
            "compile_stats", "half_sum_function"]
@@ -563,6 +563,50 @@ def _absmax_segments(flat, indices, packed, residual, add_residual, starts, whic
 
 
 @njit(error_model="numpy", **_JIT)
+def _absmax_bits(flat, bits, residual, has_residual, offsets, starts, which, out):
+    # Driven by the mask's bits: whole bytes branch-free (as _compact): every coordinate is
+    # read with the residual of the next survivor (j clamped to the segment's last) and its
+    # |value|'s bits kept times its bit, an integer product (a pruned NaN adds +0). Without a
+    # residual, ``residual`` is one 0 and the clamp keeps j there (|v + 0| is |v|, NaN and
+    # Inf included): no flag tested per value. The coordinates of a byte the segment shares
+    # with a neighbour, or past the array's end, go one by one.
+    zero = _to_float(flat.dtype.type(0))
+    for k in range(which.size):
+        s = which[k]
+        if starts[s + 1] <= starts[s]:  # no survivor: nothing to read the residual of
+            out[s] = 0.0
+            continue
+        lo, hi = np.uint64(offsets[s]), np.uint64(offsets[s + 1])
+        j = np.uint64(starts[s]) if has_residual else np.uint64(0)
+        last = np.uint64(starts[s + 1] - 1) if has_residual else np.uint64(0)
+        top = np.uint64(0)
+        whole_lo = (lo + np.uint64(7)) >> np.uint64(3)  # the segment's first whole byte
+        whole_hi = max(hi >> np.uint64(3), whole_lo)    # and the end of its whole bytes
+        edge_lo = min(whole_lo * np.uint64(8), hi)
+        for i in range(lo, edge_lo):  # a shared first byte
+            if (bits[i >> np.uint64(3)] >> (np.uint64(7) - (i & np.uint64(7)))) & _ONE:
+                v = _to_float(flat[i]) + residual[min(j, last)]
+                top = max(top, np.uint64(_float_bits(abs(v))))
+                j += _ONE
+        for byte in range(whole_lo, whole_hi):
+            b = np.uint64(bits[byte])
+            if b == 0:
+                continue
+            first = byte * np.uint64(8)
+            for t in range(8):
+                bit = (b >> np.uint64(7 - t)) & _ONE
+                v = _to_float(flat[first + np.uint64(t)]) + residual[min(j, last)]
+                top = max(top, np.uint64(_float_bits(abs(v))) * bit)
+                j += bit
+        for i in range(max(whole_hi * np.uint64(8), edge_lo), hi):  # a shared last byte
+            if (bits[i >> np.uint64(3)] >> (np.uint64(7) - (i & np.uint64(7)))) & _ONE:
+                v = _to_float(flat[i]) + residual[min(j, last)]
+                top = max(top, np.uint64(_float_bits(abs(v))))
+                j += _ONE
+        out[s] = np.float64(_bits_float(top, zero))
+
+
+@njit(error_model="numpy", **_JIT)
 def _ternary_encode_segments(flat, indices, packed, residual_in, add_residual, residual_out,
                              keep_residual, starts, word_starts, which, positive, scales,
                              scales32, keys_lo, keys_hi, powers, words):
@@ -648,7 +692,7 @@ _NO_INDICES = np.empty(0, dtype=np.int64)
 _KERNELS = {"gather": _gather, "scatter": _scatter, "compact": _compact, "expand": _expand,
             "absmax": _absmax,
             "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode,
-            "absmax_segments": _absmax_segments,
+            "absmax_segments": _absmax_segments, "absmax_bits": _absmax_bits,
             "ternary_encode_segments": _ternary_encode_segments,
             "ternary_decode_segments": _ternary_decode_segments}
 
@@ -809,6 +853,16 @@ def absmax_segments(flat, indices, residual, starts, which, out):
     """``out[s]`` = :func:`absmax` of segment ``s`` for each ``s`` in ``which``."""
     _absmax_segments(_view(flat), *_indices(indices, flat.size),
                      *_optional(residual, compute_dtype(flat.dtype)), starts, which, out)
+    return out
+
+
+def absmax_bits(flat, bits, residual, offsets, starts, which, out):
+    """``out[s]`` = the absmax of segment ``s``'s coordinates set in ``bits`` (plus their
+    residual) for each ``s`` in ``which`` (segments with at least one survivor)."""
+    has_residual = residual is not None
+    if not has_residual:  # one 0, read for every value
+        residual = np.zeros(1, compute_dtype(flat.dtype))
+    _absmax_bits(_view(flat), bits, residual, has_residual, offsets, starts, which, out)
     return out
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from ..ternary import stochastic_ternary
 
 __all__ = ["compute_dtype", "digit_powers", "division_tables", "gather", "scatter", "compact",
-           "expand", "absmax", "ternary_encode", "ternary_decode"]
+           "expand", "absmax", "absmax_bits", "ternary_encode", "ternary_decode"]
 
 
 def compute_dtype(dtype):
@@ -109,6 +109,18 @@ def absmax(xp, flat, indices, residual):
     when any value is not finite; 0.0 when there are none)."""
     values = _values(xp, flat, indices, residual)
     return float(xp.max(xp.abs(values))) if values.size else 0.0
+
+
+def absmax_bits(xp, flat, bits, residual, offsets, starts, which, out):
+    """``out[s]`` = :func:`absmax` of segment ``s`` for each ``s`` in ``which``: the
+    coordinates of ``flat[offsets[s]:offsets[s + 1]]`` set in ``bits`` (``packbits`` of a mask
+    of flat), plus ``residual[starts[s]:starts[s + 1]]``, its survivors' residual."""
+    for s in which:
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        window = xp.unpackbits(bits[lo // 8:(hi + 7) // 8])[lo % 8:lo % 8 + hi - lo]
+        part = None if residual is None else residual[starts[s]:starts[s + 1]]
+        out[s] = absmax(xp, flat[lo:hi], xp.flatnonzero(window), part)
+    return out
 
 
 def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, codec, words_out):

@@ -25,3 +25,8 @@ def save_then_die(*args, **kwargs):
 checkpoint.save_checkpoint = save_then_die
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
+# Past the script's end, as elastic_train.py's leave(): no interpreter finalization, which can
+# abort a finished gloo rank (pytorch/pytorch#190489).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
