@@ -1061,7 +1061,7 @@ class StepEngine:
                               RuntimeWarning, stacklevel=4)
             self.tracker, self._changes = tracker, None
             self._epoch += 1
-            self._residuals = ({int(b): _Residual(np.array(r), None)  # the engine's own
+            self._residuals = ({int(b): _Residual(np.asarray(r).copy(), None)  # its own
                                 for b, r in state["residuals"].items()} if same_world else {})
             self.step = state["step"]
             self.stats = dict(dict.fromkeys(COUNTERS, 0), **state["stats"])
