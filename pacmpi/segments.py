@@ -96,7 +96,9 @@ class SegmentTable:
         """Per segment ``max |flat + residual|`` over its survivors (float64, 0.0 when it has
         none; NaN or Inf when a value is not finite)."""
         maxima = np.zeros(len(self))
-        if self.bits is not None and not compact:
+        # Through the bits only while no positions exist: once made (a payload read through
+        # them: Horovod), reading the survivors alone is the faster way.
+        if self.bits is not None and self._indices is None and not compact:
             return kernels.absmax_bits(xp, flat, self.bits, residual, self.offsets, self.starts,
                                        self.filled, maxima)
         indices = None if compact else self.indices
