@@ -90,6 +90,11 @@ class ShardedOptimizer:
     comm, collectives, average, verify_every, abort_on_error:
         As for :class:`pacmpi.sharded.ShardedReducer`; ``comm`` defaults to a duplicate of
         ``COMM_WORLD``.
+    quantize, seed:
+        ``"ternary"``: the reduce-scatter carries ternary codes (one scale per parameter),
+        the all-gather full values (:mod:`pacmpi.sharded`); without error feedback, whose
+        residual (every survivor, per rank) would cost more than the sharded optimizer state
+        saves. :meth:`step` only: :func:`sharded_hook` is lossless.
     max_grad_norm:
         Clip the averaged gradient to this global L2 norm before each step, as
         ``torch.nn.utils.clip_grad_norm_`` would over the whole model (the shards' sums of
@@ -104,7 +109,7 @@ class ShardedOptimizer:
 
     def __init__(self, model, optimizer_class, *, masks=None, comm=None, collectives=None,
                  average=True, verify_every=1, abort_on_error=None, max_grad_norm=None,
-                 **defaults):
+                 quantize=None, seed=0, **defaults):
         self.model = model
         if collectives is None:
             collectives = default_collectives(comm)
@@ -114,7 +119,8 @@ class ShardedOptimizer:
         self.max_grad_norm, self.grad_norm = max_grad_norm, None
         self.collectives = collectives
         self._options = dict(collectives=collectives, average=average, verify_every=verify_every,
-                             abort_on_error=abort_on_error)
+                             abort_on_error=abort_on_error, quantize=quantize, seed=seed)
+        self.quantize = quantize
         self._shard_survivors(mask_list)
         self.optimizer = optimizer_class(self.shards, **defaults)
         self._blocks = None  # the DDP step in progress: [(group, part, block, payload, work)]
@@ -244,6 +250,9 @@ class ShardedOptimizer:
         if key not in self._parts:
             error, slots = None, []
             try:
+                if self.quantize is not None:
+                    raise ValueError(f"sharded_hook is lossless, this optimizer has quantize="
+                                     f"{self.quantize!r}: step it after backward instead")
                 if not isinstance(self.collectives, TorchDistCollectives):
                     raise TypeError(f"sharded_hook needs collectives=TorchDistCollectives("
                                     f"process_group), got {type(self.collectives).__name__}")

@@ -1,6 +1,8 @@
 """``python -m pacmpi.experiments.bench_sharded``: optimizer state per rank and bytes per step of
 sharded PacTrain (:func:`pacmpi.adapters.sharded.sharded_hook`) against DDP +
-``ZeroRedundancyOptimizer`` (dense) and replicated PacTrain (the DDP hook), all with Adam.
+``ZeroRedundancyOptimizer`` (dense) and replicated PacTrain (the DDP hook), all with Adam; and
+of both PacTrains with ternary codes (the sharded one through ``ShardedOptimizer.step``: its
+reduce-scatter carries codes, its all-gather full values).
 
 Run it under torchrun (gloo on CPU): ``torchrun --standalone --nproc-per-node 4 -m
 pacmpi.experiments.bench_sharded``. A model of ``--model`` (weights of 2+ dimensions pruned to
@@ -18,7 +20,8 @@ ranks):
   2(N-1)/N B; a reduce-scatter, an all-gather or the broadcasts of a partitioned B send
   (N-1)/N B), so the methods compare on any transport;
 - ``max |w - replicated|``: the largest weight difference from replicated PacTrain after the
-  steps (0 up to the order of the sums: sharding is lossless).
+  steps (0 up to the order of the sums: sharding is lossless); the ternary rows against
+  replicated ternary PacTrain (other keys: the hook's buckets are not the shard's one).
 
 No times: the sizes do not depend on the machine; time to accuracy is the training job's.
 """
@@ -37,7 +40,8 @@ from pacmpi.experiments.models import build_model
 
 __all__ = ["run", "main"]
 
-METHODS = ("ddp+zero", "pactrain", "pactrain-sharded")
+METHODS = ("ddp+zero", "pactrain", "pactrain-sharded", "pactrain-ternary",
+           "pactrain-sharded-ternary")
 COLUMNS = [("method", "method", "<16"), ("state elems", "state_elements", ",d"),
            ("state bytes", "state_bytes", ",d"), ("kept bytes", "kept_bytes", ",d"),
            ("all-reduce", "allreduce_bytes", ",d"), ("reduce-scatter", "reduce_scatter_bytes",
@@ -69,19 +73,22 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     row = dict.fromkeys(["allreduce_bytes", "reduce_scatter_bytes", "allgather_bytes",
                          "broadcast_bytes", "kept_bytes"], 0)
-    ddp, state = DDP(model), None
-    if method == "pactrain-sharded":
+    quantize = "ternary" if method.endswith("-ternary") else None
+    sharded = method.startswith("pactrain-sharded")
+    # Sharded ternary steps after backward (sharded_hook is lossless): no DDP.
+    ddp, state = model if sharded and quantize else DDP(model), None
+    if sharded:
         optimizer = ShardedOptimizer(model, torch.optim.Adam, masks=masks, lr=lr,
-                                     collectives=TorchDistCollectives())
-        ddp.register_comm_hook(optimizer, sharded_hook)
-    elif method == "pactrain":
-        state = PacTrainHookState(ddp, masks)
+                                     collectives=TorchDistCollectives(), quantize=quantize)
+        if not quantize:
+            ddp.register_comm_hook(optimizer, sharded_hook)
+    elif method.startswith("pactrain"):
+        state = PacTrainHookState(ddp, masks, quantize=quantize)
         ddp.register_comm_hook(state, pactrain_hook)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr)
-    stats = (lambda: optimizer.reducer.stats) if method == "pactrain-sharded" else (
-        lambda: state.stats)
+    stats = (lambda: optimizer.reducer.stats) if sharded else (lambda: state.stats)
     gen, sent = torch.Generator().manual_seed(1 + rank), []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -91,7 +98,7 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
         optimizer.step()
         sent.append(stats()["bytes_sent"] if method != "ddp+zero" else 0)
     last = sent[-1] - sent[-2]  # a steady step (the replicated hook's first one is dense)
-    if method == "pactrain-sharded":
+    if sharded:
         layout, reducer = optimizer.reducer.layout, optimizer.reducer
         itemsize = optimizer.shard.element_size()
         row["reduce_scatter_bytes"] = last
@@ -100,7 +107,7 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
         row["state_elements"] = _state_elements(optimizer.optimizer)
         row["wire_bytes"] = (size - 1) * (row["reduce_scatter_bytes"]
                                           + row["allgather_bytes"]) // size
-    elif method == "pactrain":
+    elif method.startswith("pactrain"):
         row["allreduce_bytes"] = last
         row["kept_bytes"] = sum(state.engine.memory_report().values())
         row["state_elements"] = _state_elements(optimizer)
@@ -125,7 +132,8 @@ def run(model_name="cifar_cnn", density=0.1, steps=3, batch=8):
         rows.append(dict({k: None if row[k] is None else max(r[k] for r in everyone)
                           for k in row}, method=method))
     for row in rows:
-        row["max_diff"] = float((weights[row["method"]] - weights["pactrain"]).abs().max())
+        replicated = "pactrain-ternary" if row["method"].endswith("-ternary") else "pactrain"
+        row["max_diff"] = float((weights[row["method"]] - weights[replicated]).abs().max())
     return rows
 
 

@@ -403,17 +403,20 @@ class StepEngine:
         for their current survivors: built when they change, not per step."""
         group = self._group_of(u)
         if group.table is None:
-            if isinstance(u, tuple):
-                if any(self.buckets[s].segments for s in u):
-                    raise ValueError("the buckets of a group hold one tensor each")
-                sizes = [self.buckets[s].size for s in u]
-            else:
-                spec = self.buckets[u]
-                sizes = spec.segments if self.ternary_scale == "tensor" and spec.segments \
-                    else (spec.size,)
             digits = self.codec.digits_per_word if self.codec is not None else 1
-            group.table = SegmentTable(sizes, group.bitmap(), digits, group.positions)
+            group.table = SegmentTable(self.segment_sizes(u), group.bitmap(), digits,
+                                       group.positions)
         return group.table
+
+    def segment_sizes(self, u):
+        """The element counts of bucket or group ``u``'s segments: one scale each."""
+        if isinstance(u, tuple):
+            if any(self.buckets[s].segments for s in u):
+                raise ValueError("the buckets of a group hold one tensor each")
+            return [self.buckets[s].size for s in u]
+        spec = self.buckets[u]
+        return spec.segments if self.ternary_scale == "tensor" and spec.segments \
+            else (spec.size,)
 
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
@@ -958,19 +961,27 @@ class StepEngine:
                                 divisor, flat, compact=compacted)
             if compacted:
                 kernels.expand(xp, flat, ctx.indices.bits, ctx.count)
-            if ctx.residual is not None and ctx.generation == self.generation:
-                entry = self._residuals[ctx.bucket]
-                entry.values, entry.spare = ctx.residual, entry.values
         elif ctx.kind == "dense" and divisor is None:
             pass
         elif ctx.kind == "compact":
             kernels.expand(xp, flat, ctx.indices.bits, ctx.count, divisor)
         else:
             kernels.scatter(xp, wire, ctx.indices, flat, divisor)
+        self.settle(ctx)
+        self.stats["unpack_seconds"] += time.perf_counter() - started
+
+    def settle(self, ctx):
+        """What :meth:`decode` does once the result is written: keep the step's new
+        error-feedback residual (a current step's) and take the payload's buffer back. For a
+        front end that decodes the reduced payload itself (a reduce-scattered block of it)."""
+        if ctx.kind == "ternary" and ctx.residual is not None and \
+                ctx.generation == self.generation:
+            entry = self._residuals[ctx.bucket]
+            entry.values, entry.spare = ctx.residual, entry.values
+            ctx.residual = None  # kept once
         if ctx.scratch is not None:
             self._give_back(ctx.scratch)
             ctx.scratch = None  # a context decoded twice gives its buffer back once
-        self.stats["unpack_seconds"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ state
     def memory_report(self):

@@ -47,6 +47,7 @@ class SegmentTable:
 
     def __init__(self, sizes, indices, digits, positions=None):
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.digits = int(digits)
         self.bits, self._indices, self._make_positions = None, indices, positions
         if isinstance(indices, Bitmap):
             self.bits, self._indices = indices.bits, None
@@ -74,6 +75,32 @@ class SegmentTable:
 
     def __len__(self):
         return self.offsets.size - 1
+
+    def payload_at(self, words):
+        """The payload position where word ``words`` (ascending word boundaries, up to
+        :attr:`words`) begins: cutting the words there cuts the payload there, with every word's
+        digits on one side (a reduce-scatter's blocks of words)."""
+        words = np.asarray(words, dtype=np.int64)
+        s = np.clip(np.searchsorted(self.word_starts, words, side="right") - 1, 0, len(self) - 1)
+        return np.minimum(self.starts[s] + (words - self.word_starts[s]) * self.digits,
+                          self.starts[s + 1])
+
+    def window(self, first, stop):
+        """The table of words ``[first, stop)`` alone and the payload they hold (from
+        :meth:`payload_at` ``first`` on), its segments the same (empty where outside): what
+        :meth:`decode` with ``compact=True`` needs to decode a reduce-scattered block of words
+        into its block of the payload, with each segment's scale."""
+        lo, hi = self.payload_at([first, stop])
+        part = object.__new__(SegmentTable)
+        part.digits, part.bits = self.digits, None
+        part._indices = part._make_positions = None
+        part.starts = np.clip(self.starts, lo, hi) - lo
+        part.offsets = part.starts
+        part.word_starts = np.clip(self.word_starts, first, stop) - first
+        part.counts = np.diff(part.starts)
+        part.words = int(stop - first)
+        part.filled = np.flatnonzero(part.counts)
+        return part
 
     def _split(self, fused, segments):
         """``segments`` as (the ones for one serial call, the ones done one by one)."""

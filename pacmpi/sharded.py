@@ -25,11 +25,16 @@ uneven ``reduce_scatter`` and a padded ``all_gather_single``
 (whose split is :func:`balanced_counts`) and ``allgather``; any other :class:`Collectives`
 falls back to an all-reduce and broadcasts (correct, at all-reduce cost).
 
-Lossless only for now. Ternary would fit the reduce-scatter half: codes of several ranks are
-summed in integer words (:mod:`pacmpi.ternary`), and a reduce-scatter sums words like an
-all-reduce does, so each rank would decode the summed codes of its shard. The all-gather half
-carries updated weights, not gradients, and stays in full precision: quantizing it would make
-the replicas drift apart from the shard owners' weights.
+Ternary (``quantize="ternary"``) quantizes the reduce-scatter half: the codes of all ranks
+are summed in integer words (:mod:`pacmpi.ternary`), and a reduce-scatter sums words as an
+all-reduce does, so each rank receives the summed words of its shard and decodes them, with
+each tensor's agreed scale, into exactly what replicated ternary PacTrain decodes there. The
+shards are then cut on word boundaries (:meth:`pacmpi.segments.SegmentTable.payload_at`): the
+words are balanced, and a shard's survivors differ from the lossless one's by at most the
+padding of the words (under a word's digits per tensor). The all-gather half carries updated
+weights, not gradients, and stays in full precision: quantizing it would make the replicas
+drift apart from the shard owners' weights, so a sharded ternary step sends ternary codes one
+way and full values the other.
 """
 import time
 
@@ -38,6 +43,7 @@ import numpy as np
 from .arrays import array_module
 from .collectives import block_bounds
 from .reducer import PacTrainReducer
+from .segments import SegmentTable
 from .verify import run_together
 
 __all__ = ["ShardedReducer", "ShardLayout", "ShardPart", "balanced_counts"]
@@ -57,12 +63,17 @@ class ShardLayout:
     """Where the packed survivors of a bucket's arrays lie, and which of them rank ``rank``
     owns: packed positions ``[start, stop)`` of ``total``, split by ``counts``.
 
-    ``indices`` are the bucket's survivor positions (``None``: every element survives)."""
+    ``indices`` are the bucket's survivor positions (``None``: every element survives);
+    ``counts``: the split, :func:`balanced_counts` by default."""
 
-    def __init__(self, bucket, indices, size, rank):
+    def __init__(self, bucket, indices, size, rank, counts=None):
         self.indices = indices
         self.total = bucket.size if indices is None else int(indices.size)
-        self.counts = balanced_counts(self.total, size)
+        self.counts = balanced_counts(self.total, size) if counts is None else \
+            [int(c) for c in counts]
+        if len(self.counts) != size or sum(self.counts) != self.total or min(self.counts) < 0:
+            raise ValueError(f"counts {self.counts} do not split {self.total} survivors over "
+                             f"{size} ranks")
         self.start = sum(self.counts[:rank])
         self.stop = self.start + self.counts[rank]
         # Per array: its packed range and its survivors' flat positions (None: all, in order).
@@ -168,6 +179,9 @@ class ShardedReducer:
     comm, collectives, average, verify_every, cuda_aware, abort_on_error:
         As for :class:`pacmpi.PacTrainReducer`. Any :class:`pacmpi.Collectives` works; those
         without a native reduce-scatter fall back to an all-reduce (:class:`Collectives`).
+    quantize, error_feedback, seed, word_dtype, ternary_scale:
+        As for :class:`pacmpi.PacTrainReducer`: ``None`` (lossless) or ``"ternary"`` (the
+        reduce-scatter carries ternary words; the all-gather full values).
 
     Example::
 
@@ -183,11 +197,15 @@ class ShardedReducer:
     """
 
     def __init__(self, masks, *, shapes, dtypes, comm=None, collectives=None, average=True,
-                 verify_every=1, cuda_aware="auto", abort_on_error=None):
+                 verify_every=1, cuda_aware="auto", abort_on_error=None, quantize=None,
+                 error_feedback=False, seed=0, word_dtype="auto", ternary_scale="tensor"):
         self._reducer = PacTrainReducer(
             masks, comm=comm, collectives=collectives, average=average,
             verify_every=verify_every, stable_steps=0, bucket_bytes=_ONE_BUCKET, shapes=shapes,
-            dtypes=dtypes, cuda_aware=cuda_aware, abort_on_error=abort_on_error)
+            dtypes=dtypes, cuda_aware=cuda_aware, abort_on_error=abort_on_error,
+            quantize=quantize, error_feedback=error_feedback, seed=seed, word_dtype=word_dtype,
+            ternary_scale=ternary_scale)
+        self.word_counts = None  # ternary: the words of each rank's shard
         self.layout = run_together(self.collectives, self._initial_layout)
         self._buffers = {}
 
@@ -211,12 +229,21 @@ class ShardedReducer:
                             f"{sorted({str(b.dtype) for b in layout.buckets})}")
         if not len(layout):
             raise ValueError("sharded reduction needs at least one array")
+        if self.engine.quantize == "fp16":
+            raise ValueError("sharded reduction takes quantize=None or 'ternary', not 'fp16'")
         flat = self._reducer._flat_masks()[0]
         indices = None
         if flat is not None and not bool(flat.all()):
             indices = array_module(flat).flatnonzero(flat)
-        return ShardLayout(layout.buckets[0], indices, self.collectives.size,
-                           self.collectives.rank)
+        size, counts = self.collectives.size, None
+        if self.engine.quantize == "ternary":
+            # Balanced words (the split Horovod's reduce-scatter takes), each rank with the
+            # survivors its words hold.
+            table = SegmentTable(self.engine.segment_sizes(0), indices,
+                                 self.engine.codec.digits_per_word)
+            self.word_counts = balanced_counts(table.words, size)
+            counts = np.diff(table.payload_at(np.cumsum([0] + self.word_counts)))
+        return ShardLayout(layout.buckets[0], indices, size, self.collectives.rank, counts)
 
     def _buffer(self, xp, key, size, dtype):
         buf = self._buffers.get(key)
@@ -267,38 +294,65 @@ class ShardedReducer:
         except (TypeError, ValueError) as exc:
             error = exc
         try:
-            self.begin_step(error)
+            # Ternary scales agreed inside the verification all-reduce when it runs.
+            self.begin_step(error, lambda: {0: reducer._flat(0, grads)})
             flat = reducer._flat(0, grads)
-            wire, _ = self.engine.encode(0, flat)
+            wire, ctx = self.engine.encode(0, flat)
+            xp = array_module(flat)
             if out is None:
-                out = self._buffer(array_module(flat), "shard", self.layout.shard_size,
-                                   wire.dtype)
-            if wire.size:
-                started = time.perf_counter()
-                self.collectives.reduce_scatter(wire, out, self.layout.counts, "sum",
-                                                name="pacmpi.reduce_scatter")
-                self.stats["comm_seconds"] += time.perf_counter() - started
-            self.end_step(out)
+                out = self._buffer(xp, "shard", self.layout.shard_size, flat.dtype)
+            if ctx.kind == "ternary":
+                words = self._buffer(xp, "words", self.word_counts[self.collectives.rank],
+                                     wire.dtype)
+                self._reduce_scatter(wire, words, self.word_counts)
+                self._decode(words, ctx, out)
+            else:  # lossless, or ternary sent as it is (a non-finite scale on some rank)
+                self._reduce_scatter(wire, out, self.layout.counts)
+                self._average(out)
+            self.engine.settle(ctx)
+            self.engine.end_step()
         finally:
             reducer._reset_step()
         return out
 
-    def begin_step(self, error=None):
+    def _reduce_scatter(self, wire, out, counts):
+        if wire.size:
+            started = time.perf_counter()
+            self.collectives.reduce_scatter(wire, out, counts, "sum",
+                                            name="pacmpi.reduce_scatter")
+            self.stats["comm_seconds"] += time.perf_counter() - started
+
+    def _decode(self, words, ctx, out):
+        """This rank's block of the summed ternary ``words`` into its ``out`` shard, averaged
+        when configured, each segment with its agreed scale."""
+        first = sum(self.word_counts[:self.collectives.rank])
+        size = self.collectives.size
+        divisor = size if self.engine.average and size > 1 else None
+        codec = self.engine.codec
+        ctx.segments.window(first, first + words.size).decode(
+            array_module(out), words, codec, codec.world_size, ctx.scales, divisor, out,
+            compact=True)
+
+    def begin_step(self, error=None, scale_flats=None):
         """Begin a step for a front end that reduce-scatters :class:`ShardPart` payloads
         itself (as the DDP hook does, bucket by bucket): verify the masks when due
         (collective; ``error``, this rank's bad input, raises on every rank together) and check
         they are still the layout's. Then reduce-scatter every part's payload with SUM,
-        :meth:`ShardPart.place` each block into the shard, and :meth:`end_step`."""
-        self.engine.begin_step(self._reducer._flat_masks, error)
+        :meth:`ShardPart.place` each block into the shard, and :meth:`end_step`.
+        ``scale_flats``: as for :meth:`pacmpi.engine.StepEngine.begin_step`."""
+        self.engine.begin_step(self._reducer._flat_masks, error, scale_flats=scale_flats)
         self._check_layout()
 
     def end_step(self, shard):
         """Average the reduce-scattered ``shard`` (when configured) and count the step."""
+        self._average(shard)
+        self.engine.end_step()
+
+    def _average(self, shard):
         size = self.collectives.size
         if self.engine.average and size > 1:
             # As kernels.scatter divides on the replicated path: same dtype, same bits.
             array_module(shard).divide(shard, shard.dtype.type(size), out=shard)
-        self.engine.end_step()
 
     def allgather(self, shard, params):
         """Write every rank's updated ``shard`` (this rank's survivors of ``params``) into

@@ -240,3 +240,40 @@ def test_small_and_large_segments_together_match_the_reference():
     for other in others:
         for a, b in zip(reference, other):
             _same_bits(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=10),
+       density=st.sampled_from([None, 0.0, 0.05, 0.5, 1.0]), digits=st.sampled_from([1, 3, 20]),
+       parts=st.integers(1, 9), seed=st.integers(0, 2**31))
+def test_windows_of_words_decode_blocks_of_the_payload(sizes, density, digits, parts, seed):
+    """Words cut anywhere (a reduce-scatter's blocks, empty ones included): ``payload_at``
+    cuts the payload where each block's digits start, and each block's :meth:`window`
+    decodes its block of the payload exactly as the whole table decodes it there."""
+    rng = np.random.default_rng(seed)
+    flat = rng.standard_normal(sum(sizes)).astype(np.float32)
+    indices = None if density is None else np.flatnonzero(rng.random(flat.size) < density)
+    codec = TernaryCodec(3, "int64")
+    codec.digits_per_word = digits  # the cuts' arithmetic at any digits per word
+    table = SegmentTable(sizes, indices, digits)
+    scales = np.abs(rng.standard_normal(len(sizes))) + 0.5
+    words = rng.integers(0, 2 * 3 + 1, size=table.words * digits).reshape(-1, digits)
+    words = (words * 7 ** np.arange(digits)).sum(axis=1).astype(np.int64)
+    count = int(table.starts[-1])
+    whole = table.decode(np, words, codec, 3, scales, 3, np.empty(count, np.float32),
+                         compact=True)
+    cuts = np.sort(np.concatenate([[0, table.words],
+                                   rng.integers(0, table.words + 1, parts - 1)]))
+    bounds = table.payload_at(cuts)
+    assert bounds[0] == 0 and bounds[-1] == count and np.all(np.diff(bounds) >= 0)
+    for backend in ROUTES:
+        kernels.set_backend(backend)
+        try:
+            for first, stop, lo, hi in zip(cuts[:-1], cuts[1:], bounds[:-1], bounds[1:]):
+                part = table.window(first, stop)
+                assert part.words == stop - first and int(part.starts[-1]) == hi - lo
+                block = part.decode(np, words[first:stop], codec, 3, scales, 3,
+                                    np.full(hi - lo, np.nan, np.float32), compact=True)
+                _same_bits(block, whole[lo:hi])
+        finally:
+            kernels.set_backend(None)

@@ -17,13 +17,16 @@ def test_horovod_collectives_match_reference():
 
 
 def test_sharded_optimizer_over_horovod_equals_mpi():
+    """Lossless and ternary (Horovod's native reduce-scatter of balanced words; other words
+    than MPI's uint64, the same decoded values)."""
     masks = heads_masks("mixed")
-    models = []
-    for transport in (None, HorovodCollectives()):
-        model = heads(masks)
-        optimizer = ShardedOptimizer(model, torch.optim.Adam, masks=masks, collectives=transport,
-                                     lr=0.01)
-        train(model, optimizer, optimizer.step)
-        models.append(model)
-    for a, b in zip(*(m.parameters() for m in models)):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for quantize in (None, "ternary"):
+        models = []
+        for transport in (None, HorovodCollectives()):
+            model = heads(masks)
+            optimizer = ShardedOptimizer(model, torch.optim.Adam, masks=masks,
+                                         collectives=transport, quantize=quantize, lr=0.01)
+            train(model, optimizer, optimizer.step)
+            models.append(model)
+        for a, b in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), quantize

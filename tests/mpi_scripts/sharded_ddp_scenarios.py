@@ -185,6 +185,15 @@ def test_bad_input_raises_on_every_rank():
     expect_raise(RankInputError, lambda: (ddp(x) * t).sum().backward(),
                  "parameter this optimizer does not train")
 
+    # Ternary shards the whole step (ShardedOptimizer.step): the hook says so, on every rank.
+    model = Net()
+    ternary = ShardedOptimizer(model, torch.optim.SGD, masks=masks_of(model), lr=0.1,
+                               collectives=TorchDistCollectives(), quantize="ternary")
+    ddp = DDP(model)
+    ddp.register_comm_hook(ternary, sharded_hook)
+    expect_raise(RankInputError, lambda: (ddp(x) * t).sum().backward(),
+                 "sharded_hook is lossless, this optimizer has quantize='ternary'")
+
     # The last rank moves a survivor of its mask (the same count) before step 2.
     model = Net()
     optimizer = ShardedOptimizer(model, torch.optim.SGD, masks=masks_of(model),

@@ -9,7 +9,9 @@ this order under mpirun (tests/test_sharded.py), each reported on its own.
    bit; pruned weights stay 0; ranks end bit-identical; the optimizer state per rank is its
    shard of the survivors (counted in elements);
 4. bad input (a mask of the wrong shape on one rank, a rank with another mask, gradients or
-   parameters that do not fit, masks changed after construction) raises on every rank.
+   parameters that do not fit, masks changed after construction) raises on every rank;
+5. ternary: each rank's decoded block of the reduce-scattered words, and ShardedOptimizer's
+   training, equal replicated ternary PacTrain bit for bit.
 """
 import hashlib
 import io
@@ -190,6 +192,57 @@ def test_reducer_matches_replicated():
         assert sharded[3][0] == 5.0 or masks[3][0]
 
 
+def test_ternary_matches_replicated():
+    """Ternary: each rank decodes its block of the reduce-scattered words into exactly what
+    replicated ternary PacTrain (one bucket, the same seed) decodes there, bit for bit, with
+    and without error feedback, through every transport; the words are balanced. A NaN on one
+    rank sends that step as it is, on both. Negative control: another seed quantizes
+    otherwise."""
+    cases = [(None, name, ef, True, np.dtype(np.float32)) for name in mask_cases()
+             for ef in (False, True)]
+    cases += [(None, "mixed", False, False, np.dtype(np.float32))]
+    cases += [(None, "mixed", True, True, dtype) for dtype in supported_float_dtypes()
+              if dtype != np.float32]
+    cases += [(BroadcastOnly(), "mixed", True, True, np.dtype(np.float32)),
+              (gloo_group(), "mixed", False, True, np.dtype(np.float32))]
+    for transport, name, ef, average, dtype in cases:
+        masks = mask_cases()[name]
+        options = dict(quantize="ternary", error_feedback=ef, seed=5, average=average,
+                       shapes=SHAPES, dtypes=[dtype] * len(SHAPES))
+        full = PacTrainReducer(masks, stable_steps=0, bucket_bytes=1 << 62, collectives=transport,
+                               **options)
+        red = ShardedReducer(masks, collectives=transport, **options)
+        other = ShardedReducer(masks, collectives=transport, **dict(options, seed=6))
+        layout = red.layout
+        assert red.word_counts == balanced_counts(sum(red.word_counts), size)
+        assert sum(layout.counts) == layout.total and len(layout.counts) == size
+        differs = False
+        for step in range(STEPS):
+            rng = np.random.default_rng(100 * step + rank)
+            grads = [(rng.standard_normal(s) * (1 + i)).astype(dtype)
+                     for i, s in enumerate(SHAPES)]
+            nan = step == 2 and dtype == np.float32
+            if nan:  # sent as it is: integers, whose sums any summation order gets exactly
+                grads = [rng.integers(-8, 9, s).astype(dtype) for s in SHAPES]
+                if rank == size - 1:
+                    grads[1][2] = np.nan  # array 1 is unmasked in "mixed": a survivor
+            local, local_other = [g.copy() for g in grads], [g.copy() for g in grads]
+            full.reduce(grads)
+            want = layout.gather(grads, np.empty(layout.total, dtype), 0, layout.total)
+            want = want[layout.start:layout.stop]
+            got = red.reduce_scatter(local).copy()
+            same = np.array_equal(got, want, equal_nan=True) if nan else \
+                got.tobytes() == want.tobytes()
+            assert same, (name, ef, average, dtype, step, got, want)
+            mine = other.reduce_scatter(local_other)
+            differs |= bool(comm.allreduce(int(not np.array_equal(mine, got, equal_nan=True))))
+        assert red.stats["bytes_sent"] == full.stats["bytes_sent"], (name, red.stats, full.stats)
+        assert red.engine.stats["nonfinite_fallbacks"] == full.engine.stats["nonfinite_fallbacks"]
+        if name == "mixed" and dtype == np.float32:
+            assert red.engine.stats["nonfinite_fallbacks"] == 1
+        assert differs or name != "mixed", name  # the control: the seed matters
+
+
 class Heads(nn.Module):
     """Two linear heads of one input: their gradients under a linear loss do not depend on the
     weights, so integer data keeps every gradient sum exact at any step."""
@@ -237,8 +290,8 @@ def heads(masks, kind=Heads):
     return model
 
 
-def train(model, opt, step_fn):
-    for step in range(STEPS):
+def train(model, opt, step_fn, steps=range(STEPS)):
+    for step in steps:
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randint(-4, 5, (6, 8), generator=g).float()
         t = torch.randint(-2, 3, (6, 8), generator=g).float()
@@ -286,6 +339,69 @@ def test_sharded_optimizer_equals_pactrain_sync():
             assert full_state == len(moments) * sum(p.numel() for p in replicated.parameters())
             assert sum(comm.allgather(sum(v.numel() for v in moments))) == \
                 len(moments) * layout.total
+
+
+def test_ternary_optimizer_equals_replicated_ternary():
+    """ShardedOptimizer(quantize="ternary") trains as replicated ternary PacTrain (one
+    bucket, the same seed) + the same optimizer on the full weights, bit for bit; pruned
+    weights stay 0, ranks end bit-identical."""
+    masks = heads_masks("mixed")
+    kwargs = dict(lr=0.125, momentum=0.5)
+    replicated = heads(masks)
+    # In the optimizer's order (reverse registration, as DDP's): the same survivors' order.
+    names = [n for n, _ in replicated.named_parameters()][::-1]
+    params = list(replicated.parameters())[::-1]
+    reducer = PacTrainReducer([as_array(masks[n]) if n in masks else None for n in names],
+                              quantize="ternary", stable_steps=0, bucket_bytes=1 << 62,
+                              shapes=[tuple(p.shape) for p in params],
+                              dtypes=[np.float32] * len(params))
+    opt = torch.optim.SGD(params, **kwargs)
+
+    def replicated_step():
+        reducer.reduce([as_array(p.grad) for p in params])
+        opt.step()
+
+    train(replicated, opt, replicated_step)
+    model = heads(masks)
+    sharded = ShardedOptimizer(model, torch.optim.SGD, masks=masks, quantize="ternary", **kwargs)
+    train(model, sharded, sharded.step)
+    for (name, a), b in zip(model.named_parameters(), replicated.parameters()):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+    for name, mask in masks.items():
+        assert not dict(model.named_parameters())[name][~mask].any()
+    same_on_every_rank([as_array(p.detach()) for p in model.parameters()])
+    assert sharded.reducer.stats["bytes_sent"] == reducer.stats["bytes_sent"]
+
+
+def test_ternary_checkpoint_resumes():
+    """Ternary: a checkpoint resumes bit for bit at the same world size (the step, hence the
+    random draws, restored); loaded at another world size (other shards of words), the packed
+    optimizer state comes back unchanged."""
+    masks = heads_masks("mixed")
+    kwargs = dict(masks=masks, quantize="ternary", lr=0.01)
+    straight = heads(masks)
+    opt = ShardedOptimizer(straight, torch.optim.Adam, **kwargs)
+    train(straight, opt, opt.step)
+    model = heads(masks)
+    opt = ShardedOptimizer(model, torch.optim.Adam, **kwargs)
+    train(model, opt, opt.step, range(STEPS // 2))
+    saved, weights = roundtrip(opt.state_dict()), roundtrip(model.state_dict())
+    resumed = heads({})
+    resumed.load_state_dict(weights)
+    again = ShardedOptimizer(resumed, torch.optim.Adam, **kwargs)
+    again.load_state_dict(saved)
+    train(resumed, again, again.step, range(STEPS // 2, STEPS))
+    for a, b in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    sub = comm.Split(0 if rank < max(1, size // 2) else MPI.UNDEFINED, rank)
+    if sub != MPI.COMM_NULL:
+        small = ShardedOptimizer(heads(masks), torch.optim.Adam, comm=sub, **kwargs)
+        small.load_state_dict(saved)
+        resaved = small.state_dict()
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(resaved["groups"][0]["state"][key],
+                               saved["groups"][0]["state"][key])
+        sub.Free()
 
 
 def test_clipping_matches_clip_grad_norm():
