@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .launchers import find_launcher
 
 __all__ = ["MPIFlavor", "MPIDetectionError", "detect_mpi", "build_mpirun_command",
-           "build_horovodrun_command", "build_torchrun_command", "ring_allreduce_env",
+           "build_horovodrun_command", "build_torchrun_command", "ring_collectives_env",
            "allreduce_pin", "ALLREDUCE_CHOICES"]
 
 OPENMPI, MPICH, INTEL = "openmpi", "mpich", "intel"
@@ -196,33 +196,40 @@ _NO_SHM_ENV = {
 
 ALLREDUCE_CHOICES = ("auto", "ring", "default")
 
-# The settings by which a job chooses its all-reduce algorithm, as environment variables (Open
-# MPI reads OMPI_MCA_<param> like --mca <param>): one of them set by the user means the choice
-# is theirs.
+# The ring, by the settings that choose each collective's algorithm, as environment variables
+# (Open MPI reads OMPI_MCA_<param> like --mca <param>; its numbers differ per collective): the
+# all-reduce, and the all-gathers of the peers (TopK, DGC, TernGrad) and of sharding.
+_RING = {
+    OPENMPI: ("OMPI_MCA_coll_tuned_use_dynamic_rules=1",
+              "OMPI_MCA_coll_tuned_allreduce_algorithm=4",
+              "OMPI_MCA_coll_tuned_allgather_algorithm=4",
+              "OMPI_MCA_coll_tuned_allgatherv_algorithm=3"),
+    MPICH: ("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
+            "MPIR_CVAR_ALLGATHER_INTRA_ALGORITHM=ring",
+            "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring"),
+}
+# One of these set by the user means the choice of algorithms is theirs.
 _ALGORITHM_SETTINGS = {
-    OPENMPI: ("OMPI_MCA_coll_tuned_use_dynamic_rules", "OMPI_MCA_coll_tuned_allreduce_algorithm",
-              "OMPI_MCA_coll_tuned_dynamic_rules_filename"),
-    MPICH: ("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM",),
+    OPENMPI: tuple(e.partition("=")[0] for e in _RING[OPENMPI])
+    + ("OMPI_MCA_coll_tuned_dynamic_rules_filename",),
+    MPICH: tuple(e.partition("=")[0] for e in _RING[MPICH]),
 }
 
 
-def ring_allreduce_env(flavor):
-    """``NAME=VALUE`` entries that make every rank run the ring all-reduce, or ``[]``.
+def ring_collectives_env(flavor):
+    """``NAME=VALUE`` entries that make every rank run the ring all-reduce and all-gathers, or
+    ``[]``.
 
     The test bed's link model assumes every rank sends 2(n-1)/n of the buffer, which is the
     ring's traffic; Open MPI's default choice moved more for 3 ranks (88% of nominal instead
-    of 99%) and took 1.73x as long on the star bed. Environment variables, not ``--mca``
-    flags: they reach the ranks under every launcher (``mpirun -x``, torchrun's and
-    horovodrun's inherited environment, the node test bed's remote daemons). Intel MPI has no
-    documented stable id for the ring; its default is used and the calibration's tolerance
-    check catches a mismatch.
+    of 99%) and took 1.73x as long on the star bed. The cost model's all-gather is the ring's
+    too ((n-1) blocks per rank): Open MPI's default all-gather ran TopK's 16-48% over it at 3-8
+    nodes. Environment variables, not ``--mca`` flags: they reach the ranks under every
+    launcher (``mpirun -x``, torchrun's and horovodrun's inherited environment, the node test
+    bed's remote daemons). Intel MPI has no documented stable id for the ring; its default is
+    used and the calibration's tolerance check catches a mismatch.
     """
-    if flavor.kind == OPENMPI:
-        return ["OMPI_MCA_coll_tuned_use_dynamic_rules=1",
-                "OMPI_MCA_coll_tuned_allreduce_algorithm=4"]
-    if flavor.kind == MPICH:
-        return ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
-    return []
+    return list(_RING.get(flavor.kind, ()))
 
 
 def users_allreduce_setting(flavor, env_entries=(), extra_mca=None, environ=None):
@@ -263,7 +270,7 @@ def allreduce_pin(flavor, choice, *, testbed, env_entries=(), extra_mca=None, en
                         "all-reduce; the calibration measured the ring")
         return [], None
     users = users_allreduce_setting(flavor, env_entries, extra_mca, environ)
-    ring = ring_allreduce_env(flavor)
+    ring = ring_collectives_env(flavor)
     if choice == "ring" and (users or not ring):
         raise ValueError(f"--allreduce-algorithm ring conflicts with your {users}; drop one"
                          if users else

@@ -45,7 +45,7 @@ from pacmpi.units import format_rate, parse_rate
 
 from ._namespaces import delete, end_processes, new_name, remove_stale, workdir
 from ._signals import signals_held, unwind_on_signals
-from .mpi import build_mpirun_command, detect_mpi, ring_allreduce_env
+from .mpi import build_mpirun_command, detect_mpi, ring_collectives_env
 
 __all__ = ["TestbedError", "CalibrationError", "tbf_command", "NamespaceBed", "LinkTestbed",
            "probe_testbed"]
@@ -210,7 +210,7 @@ class NamespaceBed:
             nbytes = self.rate_bps * seconds_per_call / (8 * per_byte)
             nbytes = int(min(max(nbytes, 2**20), 2**28)) // 4 * 4
         flavor = detect_mpi(self.mpirun)
-        ring = ring_allreduce_env(flavor)
+        ring = ring_collectives_env(flavor)
         script = Path(__file__).with_name("_calibrate.py")
         # Oversubscribe: the ranks mostly wait on the link, so more ranks than cores is fine.
         cmd = self.mpirun_command(flavor, n,

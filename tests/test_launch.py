@@ -38,7 +38,7 @@ from pacmpi.launch.mpi import (
     allreduce_pin,
     build_torchrun_command,
     parse_mpi_version,
-    ring_allreduce_env,
+    ring_collectives_env,
 )
 from pacmpi.launch.runner import parse_torchrun_failure
 from pacmpi.launch.testbed import link_model, probe_testbed
@@ -251,13 +251,18 @@ def test_torchrun_commands():
             build_torchrun_command(**kwargs)
 
 
-RING_OMPI = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_allreduce_algorithm=4"]
+RING_OMPI = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_allreduce_algorithm=4",
+             "OMPI_MCA_coll_tuned_allgather_algorithm=4",
+             "OMPI_MCA_coll_tuned_allgatherv_algorithm=3"]
+RING_MPICH = ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
+              "MPIR_CVAR_ALLGATHER_INTRA_ALGORITHM=ring",
+              "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring"]
 
 
-def test_ring_allreduce_env():
-    assert ring_allreduce_env(OMPI5) == RING_OMPI
-    assert ring_allreduce_env(MPICH) == ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
-    assert ring_allreduce_env(INTEL) == []
+def test_ring_collectives_env():
+    assert ring_collectives_env(OMPI5) == RING_OMPI
+    assert ring_collectives_env(MPICH) == RING_MPICH
+    assert ring_collectives_env(INTEL) == []
 
 
 def test_allreduce_pin_on_the_test_bed_unless_the_user_chose():
@@ -265,7 +270,7 @@ def test_allreduce_pin_on_the_test_bed_unless_the_user_chose():
         return allreduce_pin(flavor, choice, environ={}, **kw)
 
     assert pin(OMPI5, testbed=True)[0] == RING_OMPI
-    assert pin(MPICH, testbed=True)[0] == ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"]
+    assert pin(MPICH, testbed=True)[0] == RING_MPICH
     assert pin(OMPI5, testbed=False) == ([], None)  # off the bed: the library's choice
     assert pin(OMPI5, "ring", testbed=False)[0] == RING_OMPI
     entries, note = pin(OMPI5, "default", testbed=True)  # the opt-out
@@ -275,6 +280,8 @@ def test_allreduce_pin_on_the_test_bed_unless_the_user_chose():
     for kw, named in [
             ({"env_entries": ["OMPI_MCA_coll_tuned_allreduce_algorithm=2"]},
              "-x OMPI_MCA_coll_tuned_allreduce_algorithm=2"),
+            ({"env_entries": ["OMPI_MCA_coll_tuned_allgatherv_algorithm=2"]},
+             "-x OMPI_MCA_coll_tuned_allgatherv_algorithm=2"),
             ({"extra_mca": {"coll_tuned_use_dynamic_rules": "0"}},
              "--mca coll_tuned_use_dynamic_rules 0"),
             ({"environ": {"OMPI_MCA_coll_tuned_dynamic_rules_filename": "/r"}},
@@ -451,7 +458,8 @@ def test_cli_dry_run_with_link_needs_no_root(capsys, monkeypatch):
         "# note: the test bed's calibration measured the ring all-reduce: every rank gets "
         f"{' '.join(RING_OMPI)} (--allreduce-algorithm default leaves the choice to Open MPI)",
         f"ip netns exec {name} {mpirun} -n 2 --oversubscribe --output tag "
-        f"-x {RING_OMPI[0]} -x {RING_OMPI[1]} --mca mpi_yield_when_idle 1 --mca pml ob1 "
+        f"{' '.join('-x ' + entry for entry in RING_OMPI)} "
+        "--mca mpi_yield_when_idle 1 --mca pml ob1 "
         "--mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo python t.py"]
 
 
@@ -879,8 +887,8 @@ def test_torchrun_on_the_link_crosses_the_shaped_lo():
     assert result.calibration["n"] == 2  # calibrated first, with mpirun, as for mpirun jobs
     assert abs(result.calibration["ratio"] - 1) <= 0.15, result.calibration
     name = result.command[3]
-    assert result.command[4:10] == ["env", *RING_OMPI, "GLOO_SOCKET_IFNAME=lo",
-                                    "NCCL_SOCKET_IFNAME=lo", f"{VENV_BIN}/torchrun"]
+    assert result.command[4:8 + len(RING_OMPI)] == [
+        "env", *RING_OMPI, "GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo", f"{VENV_BIN}/torchrun"]
     lines = [line.split() for line in result.stdout.splitlines() if line.startswith("GLOO")]
     assert sorted(line[2] for line in lines) == ["0", "1"], result.stdout
     for _, _, _, ns, ifname, seconds, value in lines:

@@ -98,7 +98,7 @@ def test_dry_run_prints_every_setup_command(capsys, monkeypatch):
     assert lines[-1] == (
         f"ip netns exec {n0} unshare --uts sh -c 'hostname \"$0\" && exec \"$@\"' node0 "
         f"{mpirun} -n 4 --output tag --hostfile {workdir}/hostfile-2 --bind-to none "
-        f"-x {RING_OMPI[0]} -x {RING_OMPI[1]} --mca pml ob1 --mca btl tcp,self "
+        f"{' '.join('-x ' + entry for entry in RING_OMPI)} --mca pml ob1 --mca btl tcp,self "
         "--mca btl_tcp_if_include 198.18.0.0/15 "
         f"--mca oob_tcp_if_include 198.18.0.0/15 --mca plm_rsh_agent {workdir}/rsh-agent "
         "--mca btl_tcp_links 2 --mca btl_tcp_eager_limit 1048576 "
