@@ -208,6 +208,33 @@ def test_in_place_compact_and_expand_match_the_reference():
                     check_both(np, "expand", payload, bits, int(mask.sum()), divisor)
 
 
+def test_absmax_bits_matches_the_reference():
+    """The bitmap-driven scales (64 coordinates at a time, edges one by one) on segments that
+    start and end at every offset within a block, over the masks of every branch, NaN and Inf
+    among survivors and pruned values, with and without a residual: the reference's maxima,
+    and the survivors' own (a pruned NaN is never read)."""
+    rng = np.random.default_rng(13)
+    for dtype in DTYPES:
+        compute = kernels.compute_dtype(dtype)
+        for size in (1, 7, 64, 200, 5003):
+            flat = _special(rng, _gradient(rng, size, dtype))
+            cuts = np.unique(np.concatenate([[0, size], rng.integers(0, size + 1, 6)]))
+            for mask in _masks(rng, size):
+                bits = np.packbits(mask)
+                starts = np.array([int(mask[:c].sum()) for c in cuts])
+                which = np.flatnonzero(np.diff(starts))
+                for residual in (None, rng.standard_normal(starts[-1]).astype(compute)):
+                    check_both(np, "absmax_bits", flat, bits, residual, cuts, starts, which,
+                               np.full(cuts.size - 1, -1.0))
+                    got = kernels.absmax_bits(np, flat, bits, residual, cuts, starts, which,
+                                              np.zeros(cuts.size - 1))
+                    for s in which:
+                        kept = np.flatnonzero(mask[cuts[s]:cuts[s + 1]]) + cuts[s]
+                        part = None if residual is None else residual[starts[s]:starts[s + 1]]
+                        assert_same(np.float64(got[s]),
+                                    np.float64(reference.absmax(np, flat, kept, part)))
+
+
 @ON_EVERY_ROUTE
 def test_compact_and_expand_are_the_masked_gather_and_scatter(xp):
     """The bitmap-driven pair against what it replaces, positions taken from the mask:

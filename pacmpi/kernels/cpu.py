@@ -562,45 +562,59 @@ def _absmax_segments(flat, indices, packed, residual, add_residual, starts, whic
         out[s] = np.float64(_bits_float(top, zero))
 
 
+@njit(**_JIT)
+def _bit_at(bits, i):
+    """Bit of coordinate ``i`` in ``packbits`` order (the first coordinate the high bit)."""
+    return (np.uint64(bits[i >> np.uint64(3)]) >> (np.uint64(7) - (i & np.uint64(7)))) & _ONE
+
+
 @njit(error_model="numpy", **_JIT)
 def _absmax_bits(flat, bits, residual, has_residual, offsets, starts, which, out):
-    # Driven by the mask's bits: whole bytes branch-free (as _compact): every coordinate is
-    # read with the residual of the next survivor (j clamped to the segment's last) and its
-    # |value|'s bits kept times its bit, an integer product (a pruned NaN adds +0). Without a
-    # residual, ``residual`` is one 0 and the clamp keeps j there (|v + 0| is |v|, NaN and
-    # Inf included): no flag tested per value. The coordinates of a byte the segment shares
-    # with a neighbour, or past the array's end, go one by one.
+    # Driven by the mask's bits, 64 coordinates at a time: their survivors are first moved to
+    # a small buffer branch-free (as _compact does in place: every value copied to buf[k],
+    # which only a survivor claims by advancing k; a random mask's bits are unpredictable),
+    # then the buffer and the next k residual values are read side by side in a loop that
+    # vectorizes. A pruned value (NaN included) is never read. The coordinates before a
+    # segment's first whole block and after its last go one by one.
     zero = _to_float(flat.dtype.type(0))
-    for k in range(which.size):
-        s = which[k]
-        if starts[s + 1] <= starts[s]:  # no survivor: nothing to read the residual of
-            out[s] = 0.0
-            continue
+    buf = np.empty(64, flat.dtype)
+    for w in range(which.size):
+        s = which[w]
         lo, hi = np.uint64(offsets[s]), np.uint64(offsets[s + 1])
-        j = np.uint64(starts[s]) if has_residual else np.uint64(0)
-        last = np.uint64(starts[s + 1] - 1) if has_residual else np.uint64(0)
+        j = np.uint64(starts[s])
         top = np.uint64(0)
-        whole_lo = (lo + np.uint64(7)) >> np.uint64(3)  # the segment's first whole byte
-        whole_hi = max(hi >> np.uint64(3), whole_lo)    # and the end of its whole bytes
-        edge_lo = min(whole_lo * np.uint64(8), hi)
-        for i in range(lo, edge_lo):  # a shared first byte
-            if (bits[i >> np.uint64(3)] >> (np.uint64(7) - (i & np.uint64(7)))) & _ONE:
-                v = _to_float(flat[i]) + residual[min(j, last)]
+        block_lo = (lo + np.uint64(63)) >> np.uint64(6)  # the segment's first whole block
+        block_hi = max(hi >> np.uint64(6), block_lo)     # and the end of its whole blocks
+        head = min(block_lo * np.uint64(64), hi)
+        for i in range(lo, head):
+            if _bit_at(bits, i):
+                v = _to_float(flat[i])
+                if has_residual:
+                    v += residual[j]
                 top = max(top, np.uint64(_float_bits(abs(v))))
                 j += _ONE
-        for byte in range(whole_lo, whole_hi):
-            b = np.uint64(bits[byte])
-            if b == 0:
-                continue
-            first = byte * np.uint64(8)
-            for t in range(8):
-                bit = (b >> np.uint64(7 - t)) & _ONE
-                v = _to_float(flat[first + np.uint64(t)]) + residual[min(j, last)]
-                top = max(top, np.uint64(_float_bits(abs(v))) * bit)
-                j += bit
-        for i in range(max(whole_hi * np.uint64(8), edge_lo), hi):  # a shared last byte
-            if (bits[i >> np.uint64(3)] >> (np.uint64(7) - (i & np.uint64(7)))) & _ONE:
-                v = _to_float(flat[i]) + residual[min(j, last)]
+        for block in range(block_lo, block_hi):
+            first = block * np.uint64(64)
+            k = np.uint64(0)
+            for byte in range(8):
+                b = np.uint64(bits[block * np.uint64(8) + np.uint64(byte)])
+                at = first + np.uint64(byte * 8)
+                for t in range(8):
+                    buf[k] = flat[at + np.uint64(t)]
+                    k += (b >> np.uint64(7 - t)) & _ONE
+            if has_residual:
+                for q in range(k):
+                    v = _to_float(buf[q]) + residual[j + np.uint64(q)]
+                    top = max(top, np.uint64(_float_bits(abs(v))))
+            else:
+                for q in range(k):
+                    top = max(top, np.uint64(_float_bits(abs(_to_float(buf[q])))))
+            j += k
+        for i in range(max(block_hi * np.uint64(64), head), hi):
+            if _bit_at(bits, i):
+                v = _to_float(flat[i])
+                if has_residual:
+                    v += residual[j]
                 top = max(top, np.uint64(_float_bits(abs(v))))
                 j += _ONE
         out[s] = np.float64(_bits_float(top, zero))
@@ -859,10 +873,8 @@ def absmax_segments(flat, indices, residual, starts, which, out):
 def absmax_bits(flat, bits, residual, offsets, starts, which, out):
     """``out[s]`` = the absmax of segment ``s``'s coordinates set in ``bits`` (plus their
     residual) for each ``s`` in ``which`` (segments with at least one survivor)."""
-    has_residual = residual is not None
-    if not has_residual:  # one 0, read for every value
-        residual = np.zeros(1, compute_dtype(flat.dtype))
-    _absmax_bits(_view(flat), bits, residual, has_residual, offsets, starts, which, out)
+    _absmax_bits(_view(flat), bits, *_optional(residual, compute_dtype(flat.dtype)), offsets,
+                 starts, which, out)
     return out
 
 
