@@ -1,16 +1,16 @@
 """``python -m pacmpi.bench.codec``: the codec kernels of one bucket, fused vs the reference.
 
-For a gradient of ``--size`` values (``--dtype``, float32 by default) at each ``--density``,
-times absmax (through positions, and absmax_bits: through the mask's bits, reading every
-coordinate), ternary_encode (quantize + pack), ternary_decode (unpack + scatter), gather,
-scatter and the in-place pair compact / expand (survivors to the front and back, driven by the
-mask's bits) through :mod:`pacmpi.kernels` on the fused route and on the NumPy reference, next to a
-plain ``copyto`` of the same buffer in the same run. Two rates per call: GB/s of the dense
-gradient (``size * itemsize`` bytes), so densities compare directly, and the share of copyto's
-memory bandwidth that the call's own traffic reaches (:func:`bytes_moved`: what it must read
-and write at least), which says how close a kernel runs to the memory's speed. The first fused
-call of each kernel is timed on its own: Numba compiling it, or loading it from its on-disk
-cache.
+For a gradient of ``--size`` values (``--dtype``, float32 by default; its pruned values 0, as
+the engine sees them) at each ``--density``, times absmax (through positions, and absmax_bits:
+through the mask's bits, reading every coordinate), ternary_encode (quantize + pack),
+ternary_decode (unpack + scatter), gather, scatter and the in-place pair compact / expand
+(survivors to the front and back, driven by the mask's bits) through :mod:`pacmpi.kernels` on
+the fused route and on the NumPy reference, next to a plain ``copyto`` of the same buffer in
+the same run. Two rates per call: GB/s of the dense gradient (``size * itemsize`` bytes), so
+densities compare directly, and the share of copyto's memory bandwidth that the call's own
+traffic reaches (:func:`bytes_moved`: what it must read and write at least), which says how
+close a kernel runs to the memory's speed. The first fused call of each kernel is timed on its
+own: Numba compiling it, or loading it from its on-disk cache.
 """
 import argparse
 import os
@@ -41,8 +41,12 @@ class _Bucket:
     def __init__(self, size, density, codec, xp=np, seed=0, dtype=np.float32):
         rng = np.random.default_rng(seed)
         self.xp = xp
-        self.flat = xp.asarray(rng.standard_normal(size).astype(dtype))
-        indices = None if density >= 1 else np.flatnonzero(rng.random(size) < density)
+        flat = rng.standard_normal(size).astype(dtype)
+        mask = None if density >= 1 else rng.random(size) < density
+        indices = None if mask is None else np.flatnonzero(mask)
+        if mask is not None:  # pruned gradients are 0 (G = mask * G), as the engine sees them
+            flat[~mask] = 0
+        self.flat = xp.asarray(flat)
         self.indices = None if indices is None else xp.asarray(indices)
         self.count = size if indices is None else indices.size
         compute = kernels.compute_dtype(dtype)
@@ -57,9 +61,7 @@ class _Bucket:
         self.packed = xp.empty(self.count, dtype)
         self.out = xp.empty(size, dtype)
         self.bits, self.top = None, np.zeros(1)
-        if indices is not None:
-            mask = np.zeros(size, bool)
-            mask[indices] = True
+        if mask is not None:
             self.bits = xp.asarray(np.packbits(mask))
 
     def call(self, op):
