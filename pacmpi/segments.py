@@ -59,9 +59,14 @@ class SegmentTable:
             xp = array_module(indices)
             self.starts = to_host(xp.searchsorted(indices, xp.asarray(self.offsets)))
             self.starts = self.starts.astype(np.int64)
+        counts = np.diff(self.starts)
+        self._place(np.concatenate([[0], np.cumsum(-(-counts // digits))]))
+
+    def _place(self, word_starts):
+        """The attributes that follow from ``starts`` and ``word_starts``."""
+        self.word_starts = word_starts
         self.counts = np.diff(self.starts)
-        self.word_starts = np.concatenate([[0], np.cumsum(-(-self.counts // digits))])
-        self.words = int(self.word_starts[-1])
+        self.words = int(word_starts[-1])
         self.filled = np.flatnonzero(self.counts)  # segments with a survivor: the ones with a scale
 
     @property
@@ -94,12 +99,8 @@ class SegmentTable:
         part = object.__new__(SegmentTable)
         part.digits, part.bits = self.digits, None
         part._indices = part._make_positions = None
-        part.starts = np.clip(self.starts, lo, hi) - lo
-        part.offsets = part.starts
-        part.word_starts = np.clip(self.word_starts, first, stop) - first
-        part.counts = np.diff(part.starts)
-        part.words = int(stop - first)
-        part.filled = np.flatnonzero(part.counts)
+        part.offsets = part.starts = np.clip(self.starts, lo, hi) - lo
+        part._place(np.clip(self.word_starts, first, stop) - first)
         return part
 
     def _split(self, fused, segments):

@@ -42,10 +42,10 @@ class _Bucket:
         rng = np.random.default_rng(seed)
         self.xp = xp
         flat = rng.standard_normal(size).astype(dtype)
-        mask = None if density >= 1 else rng.random(size) < density
-        indices = None if mask is None else np.flatnonzero(mask)
-        if mask is not None:  # pruned gradients are 0 (G = mask * G), as the engine sees them
-            flat[~mask] = 0
+        mask, indices = None if density >= 1 else rng.random(size) < density, None
+        if mask is not None:
+            indices = np.flatnonzero(mask)
+            flat[~mask] = 0  # pruned gradients are 0 (G = mask * G), as the engine sees them
         self.flat = xp.asarray(flat)
         self.indices = None if indices is None else xp.asarray(indices)
         self.count = size if indices is None else indices.size
