@@ -74,7 +74,8 @@ class PacTrainHookState:
     0/1 mask of its shape, re-read at every verification; ``quantize``: one of
     :data:`pacmpi.QUANTIZE_MODES` (``None``, ``"fp16"``, ``"ternary"``); ``average`` as DDP's
     default hook; other options as :class:`pacmpi.PacTrainReducer`'s (the engine reduces each
-    parameter on its own, so ``ternary_scale`` ``"tensor"`` and ``"bucket"`` agree here).
+    parameter on its own, so ``ternary_scale`` ``"tensor"`` and ``"bucket"`` agree here; an
+    int cuts each parameter into blocks of that many elements).
     Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks first).
     Pickling drops the process group and the model: :meth:`bind` the new model.
     """

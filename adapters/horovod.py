@@ -86,7 +86,8 @@ class PacTrainCompressor:
         ``op`` decides).
     stable_steps, verify_every, error_feedback, seed, abort_on_error, ternary_scale:
         As in :class:`pacmpi.PacTrainReducer` (each gradient is reduced on its own here, so
-        ``ternary_scale`` ``"tensor"`` and ``"bucket"`` give the same scales).
+        ``ternary_scale`` ``"tensor"`` and ``"bucket"`` give the same scales; an int cuts each
+        gradient into blocks of that many elements).
 
     Pruned coordinates come back as zeros (PacTrain's ``G = mask * G``). ``stats`` counts
     steps, verifications, packed/dense reductions (one per tensor), abandoned steps and

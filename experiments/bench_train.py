@@ -21,7 +21,8 @@ residual accumulation; :mod:`pacmpi.experiments.baselines`) fine-tune the unprun
 (``baseline_ratio``, 0 by default: what one would train without PacTrain); ``pactrain-<R>`` and
 ``pactrain-ternary-<R>`` prune a fraction ``R`` first (``--prune-method grasp`` with
 ``--pretrain-epochs 0``: GraSP at a random initialization, training from scratch). A ``-noef``
-suffix (``topk-1%-noef``, ``pactrain-ternary-0.8-noef``) turns error feedback off.
+suffix (``topk-1%-noef``, ``pactrain-ternary-0.8-noef``) turns error feedback off; a
+``-blockN`` suffix on ``pactrain-ternary-R`` gives a ternary scale per N elements of a tensor.
 
 Node test bed: ``--nodes K [--topology star|shared]`` runs every (MPI) job on K simulated nodes
 (:class:`pacmpi.launch.NodeTestbed`: a namespace, an Open MPI daemon and a link of the rate per
@@ -170,7 +171,8 @@ class MethodSpec:
     """One benchmarked configuration: ``label`` as shown, the training job's ``method``,
     pruning ``ratio`` and ``topk_ratio`` (TopK's and DGC's kept fraction), its ``backend``
     (``"mpi"`` under mpirun, ``"ddp"`` under torchrun), ``powersgd_rank`` (``--method
-    powersgd``) and ``error_feedback`` (off: label suffix ``-noef``)."""
+    powersgd``), ``error_feedback`` (off: label suffix ``-noef``) and ``ternary_scale``
+    (label suffix ``-blockN``: a ternary scale per N elements of a tensor)."""
 
     label: str
     method: str
@@ -179,12 +181,14 @@ class MethodSpec:
     backend: str = "mpi"
     powersgd_rank: int = 1
     error_feedback: bool = True
+    ternary_scale: object = "tensor"
 
 
 _LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
            "pactrain-ternary-R (0 <= R < 1), topk-P%-noef and pactrain-ternary-R-noef (no error "
-           "feedback), ddp-dense, ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, "
-           "ddp-pactrain-ternary-R, or a preset: " + ", ".join(METHOD_PRESETS))
+           "feedback), pactrain-ternary-R[-noef]-blockN (a scale per N values), ddp-dense, "
+           "ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, ddp-pactrain-ternary-R, or a "
+           "preset: " + ", ".join(METHOD_PRESETS))
 
 
 def parse_method(label, baseline_ratio=0.0):
@@ -199,12 +203,15 @@ def parse_method(label, baseline_ratio=0.0):
                                                           and match.group(3)):
         return MethodSpec(label, match.group(1), baseline_ratio, float(match.group(2)) / 100,
                           error_feedback=not match.group(3))
-    match = re.fullmatch(r"(ddp-)?(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)(-noef)?", label)
+    match = re.fullmatch(r"(ddp-)?(pactrain|pactrain-ternary)-(\d+(?:\.\d+)?)(-noef)?"
+                         r"(?:-block([1-9]\d*))?", label)
     if (match and 0 <= float(match.group(3)) < 1
-            and not (match.group(4) and (match.group(1) or match.group(2) == "pactrain"))):
+            and not ((match.group(4) or match.group(5))
+                     and (match.group(1) or match.group(2) == "pactrain"))):
         return MethodSpec(label, match.group(2), float(match.group(3)),
                           backend="ddp" if match.group(1) else "mpi",
-                          error_feedback=not match.group(4))
+                          error_feedback=not match.group(4),
+                          ternary_scale=int(match.group(5)) if match.group(5) else "tensor")
     if label in ("ddp-dense", "ddp-fp16"):
         return MethodSpec(label, label[4:], baseline_ratio, backend="ddp")
     match = re.fullmatch(r"ddp-powersgd-([1-9]\d*)", label)
@@ -289,7 +296,8 @@ def summarize_run(result, spec, world):
     return {
         "label": spec.label, "method": spec.method, "ratio": spec.ratio,
         "topk_ratio": spec.topk_ratio if spec.method in ("topk", "dgc") else None,
-        "error_feedback": spec.error_feedback, "seed": result["config"]["seed"],
+        "error_feedback": spec.error_feedback, "ternary_scale": spec.ternary_scale,
+        "seed": result["config"]["seed"],
         "backend": spec.backend, "launcher": "torchrun" if spec.backend == "ddp" else "mpirun",
         "powersgd_rank": spec.powersgd_rank if spec.method == "powersgd" else None,
         "parameters": result["parameters"], "density": result["density"],
@@ -534,6 +542,8 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
         argv += ["--method", spec.method, "--ratio", str(spec.ratio)]
         if not spec.error_feedback:
             argv.append("--no-error-feedback")
+        if spec.ternary_scale != "tensor":
+            argv += ["--ternary-scale", str(spec.ternary_scale)]
         if spec.backend == "ddp":
             argv += ["--backend", "ddp"]
             if spec.method == "powersgd":

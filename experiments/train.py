@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ from pacmpi.adapters.torch_sync import (
     broadcast_object,
     broadcast_parameters,
 )
-from pacmpi.engine import TERNARY_SCALES, check_options
+from pacmpi.engine import check_options
 from pacmpi.experiments.baselines import make_baseline, make_sync
 from pacmpi.experiments.codesearch import (
     contrastive_loss,
@@ -119,7 +119,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     topk_ratio: float = 0.01           # kept fraction for topk and dgc
     error_feedback: bool = True        # pactrain-ternary and topk residuals (--no-error-feedback)
-    ternary_scale: str = "tensor"      # pactrain-ternary: a scale per tensor, or per bucket
+    ternary_scale: Union[str, int] = "tensor"  # pactrain-ternary: a scale per tensor, per
+    # bucket, or per N elements of a tensor (an int)
     bias_probe: bool = False           # exact average alongside (extra all-reduce), error stats
     powersgd_rank: int = 1             # --method powersgd (--backend ddp): approximation rank
     bucket_bytes: int = 25 * 1024 * 1024
@@ -841,19 +842,26 @@ class _NoBar:
 _OPTIONAL_TYPES = {"pretrain_epochs": int}  # fields whose default None is resolved in _config
 
 
+def _ternary_scale(text):
+    """``--ternary-scale``: a name, or digits for blocks of that many elements (checked by
+    :func:`pacmpi.engine.check_options` with the rest of the config)."""
+    return int(text) if text.isdigit() else text
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="pacmpi train", description=__doc__.split("\n")[0])
     defaults = TrainConfig()
     choices = {"method": tuple(METHODS), "optimizer": OPTIMIZERS, "backend": BACKENDS,
-               "dataset": DATASETS, "prune_method": PRUNING_CRITERIA,
-               "ternary_scale": TERNARY_SCALES, "model": tuple(MODELS)}
+               "dataset": DATASETS, "prune_method": PRUNING_CRITERIA, "model": tuple(MODELS)}
+    types = {"ternary_scale": _ternary_scale}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
         if field.type is bool or isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             continue
-        kind = type(default) if default is not None else _OPTIONAL_TYPES.get(field.name, str)
+        kind = types.get(field.name) or (type(default) if default is not None
+                                         else _OPTIONAL_TYPES.get(field.name, str))
         parser.add_argument(flag, type=kind, default=default, choices=choices.get(field.name))
     return parser
 

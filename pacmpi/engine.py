@@ -29,7 +29,7 @@ from . import kernels
 from .arrays import array_module, to_host
 from .bitmaps import CHUNK, Bitmap, index_dtype
 from .errors import LayoutMismatchError, MaskMismatchError
-from .hashing import digest_ints
+from .hashing import digest_ints, uniform_from
 from .segments import SegmentTable
 from .ternary import TernaryCodec, ternary_key
 from .tracker import MaskTracker
@@ -40,7 +40,8 @@ __all__ = ["StepEngine", "BucketSpec", "Encoded", "JoinedMasks", "QUANTIZE_MODES
 
 QUANTIZE_MODES = (None, "fp16", "ternary")
 MISMATCH_POLICIES = ("raise", "resync")
-# Ternary scale granularity: one per tensor of a bucket (BucketSpec.segments), or per bucket.
+# Ternary scale granularity: one per tensor of a bucket (BucketSpec.segments), or per bucket;
+# a positive int n instead: one per n consecutive elements of each tensor.
 TERNARY_SCALES = ("tensor", "bucket")
 _QUANTIZE_CODES = {None: 0, "fp16": 1, "ternary": 2}
 _MAGIC = 0x7AC9
@@ -213,14 +214,19 @@ class _Residual:
         return kernels.expand(xp, full, self.layout.bits, self.layout.count)
 
 
+def _is_block(ternary_scale):
+    return (isinstance(ternary_scale, (int, np.integer)) and not isinstance(ternary_scale, bool)
+            and ternary_scale >= 1)
+
+
 def check_options(*, quantize=None, on_mismatch="raise", verify_every=1, ternary_scale="tensor"):
     """Raise ValueError for a bad option of :class:`StepEngine`: a front end that builds its
     engine later (once the process group exists) calls this at construction."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    if ternary_scale not in TERNARY_SCALES:
-        raise ValueError(f"ternary_scale must be one of {TERNARY_SCALES}, got "
-                         f"{ternary_scale!r}")
+    if not (ternary_scale in TERNARY_SCALES or _is_block(ternary_scale)):
+        raise ValueError(f"ternary_scale must be one of {TERNARY_SCALES} or a positive int "
+                         f"(elements per scale), got {ternary_scale!r}")
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
     if not isinstance(verify_every, int) or verify_every < 1:
@@ -261,7 +267,7 @@ class StepEngine:
             if spec.segments and sum(spec.segments) != spec.size:
                 raise ValueError(f"segments of {spec.name} add up to {sum(spec.segments)} "
                                  f"elements, the bucket has {spec.size}")
-        self.ternary_scale = ternary_scale
+        self.ternary_scale = int(ternary_scale) if _is_block(ternary_scale) else ternary_scale
         self.layout = list(layout)
         self.quantize, self.average = quantize, bool(average)
         self.verify_every, self.on_mismatch = verify_every, on_mismatch
@@ -410,13 +416,26 @@ class StepEngine:
 
     def segment_sizes(self, u):
         """The element counts of bucket or group ``u``'s segments: one scale each."""
+        return [n for tensor in self._tensor_sizes(u) for n in self._blocks(tensor)]
+
+    def _tensor_sizes(self, u):
+        """What one scale spans at most, before ``ternary_scale``'s blocks cut it: the
+        members of group ``u``, or the tensors of bucket ``u`` (its whole, for "bucket")."""
         if isinstance(u, tuple):
             if any(self.buckets[s].segments for s in u):
                 raise ValueError("the buckets of a group hold one tensor each")
             return [self.buckets[s].size for s in u]
         spec = self.buckets[u]
-        return spec.segments if self.ternary_scale == "tensor" and spec.segments \
+        return spec.segments if self.ternary_scale != "bucket" and spec.segments \
             else (spec.size,)
+
+    def _blocks(self, n):
+        """``n`` elements cut into ``ternary_scale`` elements a scale (the last block shorter),
+        or whole."""
+        block = self.ternary_scale
+        if isinstance(block, str) or n <= block:
+            return [n]
+        return [block] * (n // block) + [n % block] * bool(n % block)
 
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
@@ -552,8 +571,10 @@ class StepEngine:
         fields = {
             "magic": _MAGIC, "step": self.step, "buckets": len(self.buckets),
             "quantize": _QUANTIZE_CODES[self.quantize], "average": int(self.average),
-            "scales": (TERNARY_SCALES.index(self.ternary_scale) + 1
-                       if self.quantize == "ternary" else 0),
+            "scales": (0 if self.quantize != "ternary" else
+                       TERNARY_SCALES.index(self.ternary_scale) + 1
+                       if isinstance(self.ternary_scale, str) else
+                       len(TERNARY_SCALES) + self.ternary_scale),
             "word": 0 if self.codec is None else self.codec.word_dtype.num,
             "version": self.tracker.version,
         }
@@ -944,6 +965,11 @@ class StepEngine:
             new_residual = entry.spare
         members = np.array(b, dtype=np.uint64) if isinstance(b, tuple) else b
         key = ternary_key(self.seed, self.step, members, self.collectives.rank)
+        if isinstance(b, tuple):  # a member's blocks go on along its key's numbers
+            blocks = [len(self._blocks(n)) for n in self._tensor_sizes(b)]
+            first = np.repeat(table.starts[np.cumsum([0] + blocks[:-1])], blocks)
+            key = uniform_from(np.repeat(key, blocks),
+                               (table.starts[:-1] - first).astype(np.uint64))
         words = self._scratch(xp, table.words, self.codec.word_dtype)
         table.encode(xp, flat, residual, new_residual, scales, key, self.codec, words, compact)
         return words, None if in_place else new_residual

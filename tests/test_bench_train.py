@@ -17,6 +17,7 @@ from pacmpi.experiments.bench_train import (
     TEXT,
     MethodSpec,
     _pretrain,
+    _train_argv,
     add_tta,
     build_parser,
     check_nodes,
@@ -142,9 +143,16 @@ def test_parse_baseline_and_no_error_feedback_labels():
     spec = parse_method("pactrain-ternary-0.0-noef")
     assert (spec.method, spec.ratio, spec.error_feedback) == ("pactrain-ternary", 0.0, False)
     assert parse_method("pactrain-ternary-0.8").error_feedback is True
-    # error feedback exists only where there is a residual
+    spec = parse_method("pactrain-ternary-0-noef-block4096")
+    assert (spec.ratio, spec.error_feedback, spec.ternary_scale) == (0.0, False, 4096)
+    assert parse_method("pactrain-ternary-0.5-block64").ternary_scale == 64
+    assert parse_method("pactrain-ternary-0.5").ternary_scale == "tensor"
+    argv = _train_argv(dict(FULL), spec, None, "x.json", 0)
+    assert argv[argv.index("--ternary-scale") + 1] == "4096"
+    # error feedback exists only where there is a residual, a ternary scale with ternary
     for bad in ("pactrain-0.8-noef", "dgc-1%-noef", "terngrad-noef",
-                "ddp-pactrain-ternary-0.8-noef", "dgc-0%", "dgc"):
+                "ddp-pactrain-ternary-0.8-noef", "dgc-0%", "dgc", "pactrain-0.5-block64",
+                "pactrain-ternary-0.5-block0", "pactrain-ternary-0.5-block-noef"):
         with pytest.raises(ValueError, match="unknown method label"):
             parse_method(bad)
 

@@ -115,9 +115,11 @@ def test_a_groups_positions_are_built_once_per_mask_change():
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(members=st.lists(member, min_size=1, max_size=8), dtype=st.sampled_from(DTYPES),
        error_feedback=st.booleans(), stable_steps=st.integers(0, 1),
-       regroup=st.booleans(), in_place=st.booleans(), seed=st.integers(0, 2**31))
+       regroup=st.booleans(), in_place=st.booleans(), seed=st.integers(0, 2**31),
+       ternary_scale=st.sampled_from(["tensor", 1, 3, 16]))
 def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
-        route, members, dtype, error_feedback, stable_steps, regroup, in_place, seed):
+        route, members, dtype, error_feedback, stable_steps, regroup, in_place, seed,
+        ternary_scale):
     """Ternary: each member its own scale, key and residual, so the group's words are its
     members' words back to back and its decode theirs, step after step, through a mask
     change, error feedback on and off, and the groups changing (DDP rebuilding its buckets:
@@ -127,13 +129,15 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
     hook does for its bucket 0), the other engine in an all-reduce of their own; with
     ``in_place`` the grouped engine quantizes a packed group from its compacted front, reading
     the scales through the mask's bits and updating the residuals at the encode (no positions,
-    no spare), and every word, value and residual is still the same."""
+    no spare), and every word, value and residual is still the same. With blocks of
+    ``ternary_scale`` elements a scale, a member's blocks go on along its own key's numbers
+    as the bucket's do alone."""
     rng = np.random.default_rng(seed)
     sizes = [n for n, _ in members]
     masks = [None if d is None else rng.random(n) < d for n, d in members]
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     options = dict(quantize="ternary", error_feedback=error_feedback,
-                   stable_steps=stable_steps, seed=7)
+                   stable_steps=stable_steps, seed=7, ternary_scale=ternary_scale)
     grouped, alone = _engine(sizes, dtype, **options), _engine(sizes, dtype, **options)
     everything = tuple(range(len(sizes)))
     for step in range(4):

@@ -1,5 +1,7 @@
 """Per-tensor ternary scales: the segment table and its encoding, on one process (the
 multi-rank checks are in mpi_scripts/core_scenarios.py)."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -142,11 +144,17 @@ def test_compiled_route_matches_the_reference_on_several_segments():
         np.testing.assert_array_equal(compiled, reference)
 
 
-def test_bad_scale_granularity_is_named():
-    check_options(ternary_scale="bucket")
-    with pytest.raises(ValueError, match=r"ternary_scale must be one of \('tensor', 'bucket'\), "
-                                         r"got 'layer'"):
-        check_options(ternary_scale="layer")
+@pytest.mark.parametrize("good", ["tensor", "bucket", 1, 4096, np.int64(64)])
+def test_scale_granularities(good):
+    check_options(ternary_scale=good)
+
+
+@pytest.mark.parametrize("bad", ["layer", "4096", 0, -3, True, 2.5, None])
+def test_bad_scale_granularity_is_named(bad):
+    with pytest.raises(ValueError, match=r"ternary_scale must be one of \('tensor', 'bucket'\) "
+                                         r"or a positive int \(elements per scale\), got "
+                                         + re.escape(repr(bad))):
+        check_options(ternary_scale=bad)
 
 
 def _all_routes(sizes, flat, indices, residual, codec, ranks, divisor, key=KEY):

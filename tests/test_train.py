@@ -36,6 +36,7 @@ def test_parse_gradual():
     ({"method": "terngrad", "backend": "horovod"}, "run --method topk|terngrad|dgc"),
     ({"method": "pactrain-ternary", "ternary_scale": "layer"},
      "ternary_scale must be one of .*got 'layer'"),
+    ({"method": "pactrain-ternary", "ternary_scale": 0}, "positive int .*got 0"),
 ])
 def test_config_validation(config, message):
     with pytest.raises(ValueError, match=message):
@@ -48,6 +49,7 @@ def test_parser_covers_every_config_field():
     assert args.method == "topk" and args.topk_ratio == 0.02 and args.progress is False
     assert train._config(args).gradual == "5:0.5"
     assert train.build_parser().parse_args(["--ternary-scale", "bucket"]).ternary_scale == "bucket"
+    assert train.build_parser().parse_args(["--ternary-scale", "4096"]).ternary_scale == 4096
 
 
 def test_horovod_backend_fails_clearly_without_horovod(monkeypatch):

@@ -105,11 +105,12 @@ def test_nonfinite_in_place():
 
 def test_ternary():
     """Against an oracle built from the public pieces: per segment (each gradient of a bucket
-    with ternary_scale="tensor", the whole bucket with "bucket") the scale is the MAX over
+    with ternary_scale="tensor", the whole bucket with "bucket", each run of 5 elements of a
+    gradient with 5) the scale is the MAX over
     ranks of its largest |value + residual| over what is sent, and its codes are
     stochastic_ternary's with the bucket's key moved to the segment's first payload value."""
     masks = shared_masks()
-    for scale_mode in ("tensor", "bucket"):
+    for scale_mode in ("tensor", "bucket", 5):
         for error_feedback in (False, True):
             red = PacTrainReducer(masks, quantize="ternary", average=False, bucket_bytes=64,
                                   error_feedback=error_feedback, seed=5,
@@ -133,8 +134,10 @@ def check_ternary_bucket(red, b, bucket, originals, grads, residuals, step, scal
     flat = flat * mask
     if error_feedback and b in residuals:
         flat = flat + residuals[b] * mask
-    sizes = [m.size for m in bucket.members] if scale_mode == "tensor" else [bucket.size]
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    tensors = [0, bucket.size] if scale_mode == "bucket" else \
+        np.concatenate([[0], np.cumsum([m.size for m in bucket.members])])
+    offsets = tensors if isinstance(scale_mode, str) else np.unique(np.concatenate(
+        [np.arange(lo, hi, scale_mode) for lo, hi in zip(tensors, tensors[1:])] + [tensors]))
     # The payload: the survivors when packed, the whole (masked) bucket when dense.
     kept = mask if state.packed else np.ones(bucket.size, bool)
     starts = [int(kept[:o].sum()) for o in offsets]
@@ -186,7 +189,8 @@ def test_ternary_small_tensor_next_to_a_huge_one():
             np.testing.assert_allclose(digits, np.round(digits), rtol=0, atol=1e-4)
             assert np.round(digits).max() <= world
     expect_raise(RankInputError, lambda: PacTrainReducer([None], ternary_scale="layer"),
-                 "ternary_scale must be one of ('tensor', 'bucket'), got 'layer'")
+                 "ternary_scale must be one of ('tensor', 'bucket') or a positive int "
+                 "(elements per scale), got 'layer'")
 
 
 def rank1_positions_moved(masks):
@@ -232,13 +236,17 @@ def test_layout():
         "dtype": dict(dtypes=[np.float64 if rank == 1 else np.float32] * len(SHAPES)),
         "buckets": dict(bucket_bytes=8 if rank == 1 else 1 << 20),
         "quantize": dict(quantize="fp16" if rank == 1 else None),
+        "scale blocks": dict(quantize="ternary", ternary_scale=8 if rank == 1 else 16),
+        "scale tensor/blocks": dict(quantize="ternary",
+                                    ternary_scale=1 << 20 if rank == 1 else "tensor"),
     }
     for name, case in cases.items():
         shapes = case.get("shapes", SHAPES)
         case_dtypes = case.get("dtypes", dtypes)
         masks = [None] * len(shapes)
         red = PacTrainReducer(masks, quantize=case.get("quantize"),
-                              bucket_bytes=case.get("bucket_bytes", 1 << 20))
+                              bucket_bytes=case.get("bucket_bytes", 1 << 20),
+                              ternary_scale=case.get("ternary_scale", "tensor"))
         grads = [np.ones(s, dtype=d) for s, d in zip(shapes, case_dtypes)]
         expect_raise(LayoutMismatchError, lambda: red.reduce(grads), "offending ranks")
 

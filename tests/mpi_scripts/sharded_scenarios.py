@@ -197,18 +197,21 @@ def test_ternary_matches_replicated():
     replicated ternary PacTrain (one bucket, the same seed) decodes there, bit for bit, with
     and without error feedback, through every transport; the words are balanced. A NaN on one
     rank sends that step as it is, on both. Negative control: another seed quantizes
-    otherwise."""
-    cases = [(None, name, ef, True, np.dtype(np.float32)) for name in mask_cases()
+    otherwise. Blocks of 7 elements a scale: their scales and words cut as the replicated
+    bucket's."""
+    f32 = np.dtype(np.float32)
+    cases = [(None, name, ef, True, f32, "tensor") for name in mask_cases()
              for ef in (False, True)]
-    cases += [(None, "mixed", False, False, np.dtype(np.float32))]
-    cases += [(None, "mixed", True, True, dtype) for dtype in supported_float_dtypes()
+    cases += [(None, "mixed", False, False, f32, "tensor"), (None, "mixed", True, True, f32, 7),
+              (None, "few", False, True, f32, 7)]
+    cases += [(None, "mixed", True, True, dtype, "tensor") for dtype in supported_float_dtypes()
               if dtype != np.float32]
-    cases += [(BroadcastOnly(), "mixed", True, True, np.dtype(np.float32)),
-              (gloo_group(), "mixed", False, True, np.dtype(np.float32))]
-    for transport, name, ef, average, dtype in cases:
+    cases += [(BroadcastOnly(), "mixed", True, True, f32, "tensor"),
+              (gloo_group(), "mixed", False, True, f32, "tensor")]
+    for transport, name, ef, average, dtype, scale in cases:
         masks = mask_cases()[name]
         options = dict(quantize="ternary", error_feedback=ef, seed=5, average=average,
-                       shapes=SHAPES, dtypes=[dtype] * len(SHAPES))
+                       shapes=SHAPES, dtypes=[dtype] * len(SHAPES), ternary_scale=scale)
         full = PacTrainReducer(masks, stable_steps=0, bucket_bytes=1 << 62, collectives=transport,
                                **options)
         red = ShardedReducer(masks, collectives=transport, **options)
