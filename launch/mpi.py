@@ -198,12 +198,16 @@ ALLREDUCE_CHOICES = ("auto", "ring", "default")
 
 # The ring, by the settings that choose each collective's algorithm, as environment variables
 # (Open MPI reads OMPI_MCA_<param> like --mca <param>; its numbers differ per collective): the
-# all-reduce, and the all-gathers of the peers (TopK, DGC, TernGrad) and of sharding.
+# all-reduce, and the all-gathers of the peers (TopK, DGC, TernGrad) and of sharding. Open MPI
+# runs the non-blocking all-reduce (the reducer's packed Iallreduce) in coll/libnbc, not
+# coll/tuned: left to itself libnbc takes a binomial tree for an in-place buffer, which on
+# per-node links moves each byte 2 log2(n) times where the ring moves it 2(n-1)/n times.
 _RING = {
     OPENMPI: ("OMPI_MCA_coll_tuned_use_dynamic_rules=1",
               "OMPI_MCA_coll_tuned_allreduce_algorithm=4",
               "OMPI_MCA_coll_tuned_allgather_algorithm=4",
-              "OMPI_MCA_coll_tuned_allgatherv_algorithm=3"),
+              "OMPI_MCA_coll_tuned_allgatherv_algorithm=3",
+              "OMPI_MCA_coll_libnbc_iallreduce_algorithm=1"),
     MPICH: ("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
             "MPIR_CVAR_ALLGATHER_INTRA_ALGORITHM=ring",
             "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring"),

@@ -218,7 +218,8 @@ def test_job_command_lines(monkeypatch, tmp_path):
     assert shaped[:3] == ["ip", "netns", "exec"] and shaped[3].startswith("pacmpi-")
     ring = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_allreduce_algorithm=4",
             "OMPI_MCA_coll_tuned_allgather_algorithm=4",
-            "OMPI_MCA_coll_tuned_allgatherv_algorithm=3"]
+            "OMPI_MCA_coll_tuned_allgatherv_algorithm=3",
+            "OMPI_MCA_coll_libnbc_iallreduce_algorithm=1"]
     assert shaped[4:] == ["env", *ring, "GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo", *torchrun,
                           *train, "--method", "pactrain-ternary", "--ratio", "0.8",
                           "--backend", "ddp"]

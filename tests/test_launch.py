@@ -253,7 +253,8 @@ def test_torchrun_commands():
 
 RING_OMPI = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_allreduce_algorithm=4",
              "OMPI_MCA_coll_tuned_allgather_algorithm=4",
-             "OMPI_MCA_coll_tuned_allgatherv_algorithm=3"]
+             "OMPI_MCA_coll_tuned_allgatherv_algorithm=3",
+             "OMPI_MCA_coll_libnbc_iallreduce_algorithm=1"]
 RING_MPICH = ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
               "MPIR_CVAR_ALLGATHER_INTRA_ALGORITHM=ring",
               "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring"]
