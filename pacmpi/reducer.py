@@ -73,7 +73,9 @@ class PacTrainReducer:
         whole bucket: arrays with small gradients next to large ones are mostly sent as 0), or
         a positive int ``n``: a scale per ``n`` consecutive elements of each array (its last
         block shorter), which lowers the error further where magnitudes vary inside an array;
-        each scale costs 8 bytes in the verification all-reduce and up to a word of padding.
+        each scale costs 8 bytes in the verification all-reduce and up to a word of padding,
+        and on CuPy arrays a kernel launch per block (the Numba route does small blocks in
+        one call).
     seed:
         Seed of the counter-based generator behind stochastic rounding.
     shapes, dtypes:

@@ -120,9 +120,12 @@ def test_readme_links_resolve():
 
 
 # README headline row -> the method's key in results/bench_text.json.
-HEADLINE = {"dense fp32": "dense", "TopK 1% + error feedback": "topk-1%",
+HEADLINE = {"dense fp32": "dense", "dense fp16": "fp16", "TopK 1% + error feedback": "topk-1%",
             "PowerSGD rank 4 (DDP)": "ddp-powersgd-4", "PacTrain 0.5": "pactrain-0.5",
-            "PacTrain 0.8": "pactrain-0.8", "PacTrain+ternary, unpruned": "pactrain-ternary-0-noef"}
+            "PacTrain 0.8": "pactrain-0.8",
+            "PacTrain+ternary, unpruned, a scale per tensor": "pactrain-ternary-0-noef",
+            "PacTrain+ternary, unpruned, a scale per 256 values":
+                "pactrain-ternary-0-noef-block256"}
 
 
 def _median_range(stat, spec):
