@@ -966,7 +966,9 @@ class StepEngine:
         members = np.array(b, dtype=np.uint64) if isinstance(b, tuple) else b
         key = ternary_key(self.seed, self.step, members, self.collectives.rank)
         if isinstance(b, tuple):  # a member's blocks go on along its key's numbers
-            blocks = [len(self._blocks(n)) for n in self._tensor_sizes(b)]
+            block = self.ternary_scale
+            blocks = [1 if isinstance(block, str) or n <= block else -(-n // block)
+                      for n in self._tensor_sizes(b)]
             first = np.repeat(table.starts[np.cumsum([0] + blocks[:-1])], blocks)
             key = uniform_from(np.repeat(key, blocks),
                                (table.starts[:-1] - first).astype(np.uint64))
