@@ -2,12 +2,13 @@
 
 Each line is one :class:`Check`: Python, NumPy, mpi4py, the MPI library behind it (vendor,
 version, MPI standard, singleton start), the ``mpirun`` that launchers will use and whether it
-matches that library, CUDA-aware MPI, CuPy/GPU, PyTorch and its distributed backends,
-``torchrun``, Horovod (built with MPI/Gloo/NCCL, as ``horovodrun --check-build`` reports),
-the shaped test bed (root, iproute2, tbf: a real one is built and removed) and slots versus
-``--ranks``. Statuses: ``ok``; ``warn`` (works, with a caveat); ``missing`` (an optional part
-is absent); ``fail`` (a required part -- Python, NumPy, mpi4py, the MPI library, ``mpirun``
--- is absent or broken). Exit status 1 when any check fails, else 0; ``--json`` for scripts.
+matches that library, CUDA-aware MPI, the all-reduce algorithms the library was told to run,
+CuPy/GPU, PyTorch and its distributed backends, ``torchrun``, Horovod (built with
+MPI/Gloo/NCCL, as ``horovodrun --check-build`` reports), the shaped test bed (root, iproute2,
+tbf: a real one is built and removed) and slots versus ``--ranks``. Statuses: ``ok``;
+``warn`` (works, with a caveat); ``missing`` (an optional part is absent); ``fail`` (a
+required part -- Python, NumPy, mpi4py, the MPI library, ``mpirun`` -- is absent or broken).
+Exit status 1 when any check fails, else 0; ``--json`` for scripts.
 """
 import argparse
 import importlib
@@ -169,6 +170,36 @@ def check_cuda_aware(probe):
                  "docs/testbed.md and the Dockerfile)", False, data)
 
 
+def check_allreduce(probe):
+    """The all-reduce algorithms the MPI library was told to run, as every rank started from
+    this environment reads them: ``MPI_Allreduce``'s (Horovod's) and ``MPI_Iallreduce``'s
+    (``PacTrainReducer``'s). A warning where Open MPI's non-blocking all-reduce is left to
+    coll/libnbc's own choice: a binomial tree for PacTrainReducer's in-place buffers, which on
+    per-node links took 2.6x the ring's time (28.7 s of communication a training step against
+    11.1 s, docs/testbed.md)."""
+    algorithms = probe.get("algorithms") or {"error": probe.get("error", "not probed")}
+    if "error" in algorithms:
+        return Check("allreduce", "all-reduce algorithm", "missing",
+                     f"not read: {algorithms['error']}", "fix the MPI library first", False,
+                     algorithms)
+    blocking, nonblocking = algorithms["allreduce"], algorithms["iallreduce"]
+    if blocking is None and nonblocking is None:
+        return Check("allreduce", "all-reduce algorithm", "ok",
+                     f"{probe['vendor']} does not say (no known MPI_T variable)", "", False,
+                     algorithms)
+    detail = (f"MPI_Allreduce (Horovod): {blocking}; MPI_Iallreduce (PacTrainReducer): "
+              f"{nonblocking}")
+    if probe["vendor"] == "Open MPI" and nonblocking == "default":
+        return Check("allreduce", "all-reduce algorithm", "warn",
+                     detail + " = coll/libnbc's binomial tree for in-place buffers: its root "
+                     "sends and receives the whole buffer 2 log2(n) times, a ring rank "
+                     "2(n-1)/n of it",
+                     "export OMPI_MCA_coll_libnbc_iallreduce_algorithm=1 (the ring), or "
+                     "measure: pacmpi tune --nonblocking -n RANKS --model NAME "
+                     "(pacmpi-run sets the ring on its test bed)", False, algorithms)
+    return Check("allreduce", "all-reduce algorithm", "ok", detail, "", False, algorithms)
+
+
 def check_cupy():
     cupy, error = _import("cupy")
     if cupy is None:
@@ -295,7 +326,8 @@ def run_checks(ranks=4):
     probe = probe_mpi()
     return [
         check_python(), check_numpy(), check_mpi4py(), check_mpi_library(probe),
-        check_mpirun(probe), check_cuda_aware(probe), check_cupy(), check_torch(),
+        check_mpirun(probe), check_cuda_aware(probe), check_allreduce(probe), check_cupy(),
+        check_torch(),
         check_launcher("torchrun", "torchrun"),
         check_horovod(), check_testbed(), check_slots(ranks),
     ]

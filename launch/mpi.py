@@ -202,6 +202,8 @@ ALLREDUCE_CHOICES = ("auto", "ring", "default")
 # runs the non-blocking all-reduce (the reducer's packed Iallreduce) in coll/libnbc, not
 # coll/tuned: left to itself libnbc takes a binomial tree for an in-place buffer, which on
 # per-node links moves each byte 2 log2(n) times where the ring moves it 2(n-1)/n times.
+# MPICH chooses it in its own variable too; its ring there is tsp_ring from MPICH 4 (3.x
+# spelled it gentran_ring, and an unknown value aborts MPI_Init).
 _RING = {
     OPENMPI: ("OMPI_MCA_coll_tuned_use_dynamic_rules=1",
               "OMPI_MCA_coll_tuned_allreduce_algorithm=4",
@@ -210,7 +212,8 @@ _RING = {
               "OMPI_MCA_coll_libnbc_iallreduce_algorithm=1"),
     MPICH: ("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
             "MPIR_CVAR_ALLGATHER_INTRA_ALGORITHM=ring",
-            "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring"),
+            "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring",
+            "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=tsp_ring"),
 }
 # One of these set by the user means the choice of algorithms is theirs.
 _ALGORITHM_SETTINGS = {
@@ -233,7 +236,10 @@ def ring_collectives_env(flavor):
     bed's remote daemons). Intel MPI has no documented stable id for the ring; its default is
     used and the calibration's tolerance check catches a mismatch.
     """
-    return list(_RING.get(flavor.kind, ()))
+    ring = list(_RING.get(flavor.kind, ()))
+    if flavor.kind == MPICH and 0 < flavor.major < 4:
+        ring.remove("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=tsp_ring")
+    return ring
 
 
 def users_allreduce_setting(flavor, env_entries=(), extra_mca=None, environ=None):

@@ -7,13 +7,17 @@ its own (``pacmpi-run``'s launch, optionally on the test bed: ``--link``/``--nod
 float32 all-reduces of each size and counting wrong elements. The sizes are ``--sizes`` or the
 fusion buckets of ``--model NAME`` (what a training step all-reduces). The algorithms are the
 library's own list: Open MPI's ``coll_tuned_allreduce_algorithm`` values as ``ompi_info``
-lists them, plus its default choice; MPICH's ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM`` values
-(untested here). One winner for every size: its two environment variables. Winners that
-change with the size (Open MPI): a rules file (``coll_tuned_dynamic_rules_filename``, one
-rule per size range, for the tuned rank count) and the variables that load it. A last job
-started with exactly the printed lines reads back from the library what it was told to run.
-Why a command of its own and not ``pacmpi doctor``: the doctor answers in seconds what works;
-this starts one job per algorithm and measures.
+lists them, MPICH's ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM`` values as ``mpivars`` describes
+them, plus the default choice. ``--nonblocking`` tunes ``MPI_Iallreduce`` instead, called in
+place as ``PacTrainReducer`` calls it: the libraries choose it apart (Open MPI's
+``coll_libnbc_iallreduce_algorithm``, whose own choice for an in-place buffer is a binomial
+tree; MPICH's ``MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM``). One winner for every size: its
+environment variables. Winners that change with the size (Open MPI's blocking all-reduce): a
+rules file (``coll_tuned_dynamic_rules_filename``, one rule per size range, for the tuned rank
+count) and the variables that load it; elsewhere the library takes one value, the fastest in
+total. A last job started with exactly the printed lines reads back from the library what it
+was told to run. Why a command of its own and not ``pacmpi doctor``: the doctor answers in
+seconds what is set; this starts one job per algorithm and measures.
 """
 import argparse
 import math
@@ -38,11 +42,10 @@ from .testbed import CalibrationError, TestbedError
 __all__ = ["main", "Candidate", "candidates", "rules_file"]
 
 _ALLREDUCE_ID = 2  # ALLREDUCE in Open MPI's COLLTYPE enumeration (coll_base_functions.h)
-_MPICH_ALGORITHMS = ("auto", "nb", "smp", "recursive_doubling", "reduce_scatter_allgather",
-                     "tree", "recexch", "ring", "k_reduce_scatter_allgather")
 _DYNAMIC = "OMPI_MCA_coll_tuned_use_dynamic_rules"
 _FORCED = "OMPI_MCA_coll_tuned_allreduce_algorithm"
 _RULES = "OMPI_MCA_coll_tuned_dynamic_rules_filename"
+_NBC = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,17 @@ class Candidate:
     env: tuple
 
 
-def openmpi_algorithms(flavor):
-    """``{number: name}`` of Open MPI's all-reduce algorithms, from the ``ompi_info`` beside
-    ``mpirun`` (0, "ignore", is the default choice, not an algorithm)."""
+def openmpi_algorithms(flavor, nonblocking=False):
+    """``{number: name}`` of Open MPI's all-reduce algorithms (coll/tuned's, or with
+    ``nonblocking`` coll/libnbc's non-blocking ones), from the ``ompi_info`` beside ``mpirun``
+    (0, "ignore", is the default choice, not an algorithm)."""
     ompi_info = Path(flavor.mpirun).with_name("ompi_info")
-    done = subprocess.run([str(ompi_info), "--parsable", "--param", "coll", "tuned", "--level",
-                           "9"], capture_output=True, text=True, timeout=60)
-    prefix = "mca:coll:tuned:param:coll_tuned_allreduce_algorithm:enumerator:value:"
+    component = "libnbc" if nonblocking else "tuned"
+    done = subprocess.run([str(ompi_info), "--parsable", "--param", "coll", component,
+                           "--level", "9"], capture_output=True, text=True, timeout=60)
+    variable = _NBC if nonblocking else _FORCED
+    prefix = (f"mca:coll:{component}:param:{variable[len('OMPI_MCA_'):]}"
+              ":enumerator:value:")
     found = {}
     for line in done.stdout.splitlines():
         if line.startswith(prefix):
@@ -69,36 +76,70 @@ def openmpi_algorithms(flavor):
             if int(number):
                 found[int(number)] = name
     if not found:
-        raise ValueError(f"{ompi_info} lists no coll_tuned_allreduce_algorithm values (exit "
-                         f"status {done.returncode}): is coll/tuned built?")
+        raise ValueError(f"{ompi_info} lists no {variable[len('OMPI_MCA_'):]} values (exit "
+                         f"status {done.returncode}): is coll/{component} built?")
     return found
 
 
-def candidates(flavor, chosen=None):
-    """The :class:`Candidate` list for ``flavor``: every algorithm and the default choice, or
-    the ``chosen`` ones (numbers or names; ``"default"``). A value the library does not have
-    is a ValueError naming it and listing the valid ones."""
+def mpich_algorithms(flavor, nonblocking=False):
+    """``{number: name}`` of MPICH's (blocking or non-blocking) all-reduce algorithms, as the
+    ``mpivars`` beside ``mpiexec`` describes ``MPIR_CVAR_[I]ALLREDUCE_INTRA_ALGORITHM``: one
+    ``name - what it does`` line per value, in order (0, "auto", is the default choice)."""
+    mpivars = Path(flavor.mpirun).with_name("mpivars")
+    done = subprocess.run([str(mpivars)], capture_output=True, text=True, timeout=60)
+    head = f"\t{_mpich_variable(nonblocking)}="
+    lines = done.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(head)), None)
+    if start is None:
+        raise ValueError(f"{mpivars} does not describe {_mpich_variable(nonblocking)} (exit "
+                         f"status {done.returncode})")
+    found = {}
+    for line in lines[start + 1:]:
+        if line.startswith("\t") or " - " not in line:
+            break
+        found[len(found)] = line.partition(" - ")[0].strip()
+    found.pop(0, None)
+    if not found:
+        raise ValueError(f"{mpivars} lists no values of {_mpich_variable(nonblocking)}")
+    return found
+
+
+def _mpich_variable(nonblocking):
+    return f"MPIR_CVAR_{'IALLREDUCE' if nonblocking else 'ALLREDUCE'}_INTRA_ALGORITHM"
+
+
+def candidates(flavor, chosen=None, nonblocking=False):
+    """The :class:`Candidate` list for ``flavor``'s blocking (or ``nonblocking``) all-reduce:
+    every algorithm and the default choice, or the ``chosen`` ones (numbers or names;
+    ``"default"``). A value the library does not have is a ValueError naming it and listing
+    the valid ones."""
     if flavor.kind == OPENMPI:
-        known = openmpi_algorithms(flavor)
-        everything = [Candidate("default", None, (f"{_DYNAMIC}=0",))] + [
-            Candidate(name, number, (f"{_DYNAMIC}=1", f"{_FORCED}={number}"))
-            for number, name in sorted(known.items())]
-        listing = ", ".join(f"{number} {name}" for number, name in sorted(known.items()))
+        known = openmpi_algorithms(flavor, nonblocking)
+        if nonblocking:
+            everything = [Candidate("default", None, (f"{_NBC}=0",))] + [
+                Candidate(name, number, (f"{_NBC}={number}",))
+                for number, name in sorted(known.items())]
+        else:
+            everything = [Candidate("default", None, (f"{_DYNAMIC}=0",))] + [
+                Candidate(name, number, (f"{_DYNAMIC}=1", f"{_FORCED}={number}"))
+                for number, name in sorted(known.items())]
     elif flavor.kind == MPICH:
-        everything = [Candidate(name, None, (f"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM={name}",))
-                      for name in _MPICH_ALGORITHMS]
-        everything[0] = Candidate("default", None, everything[0].env)
-        listing = ", ".join(_MPICH_ALGORITHMS[1:])
+        known = mpich_algorithms(flavor, nonblocking)
+        variable = _mpich_variable(nonblocking)
+        everything = [Candidate("default", None, (f"{variable}=auto",))] + [
+            Candidate(name, number, (f"{variable}={name}",))
+            for number, name in sorted(known.items())]
     else:
         raise ValueError(f"pacmpi tune knows Open MPI and MPICH, not {flavor.describe()}")
     if not chosen:
         return everything
+    listing = ", ".join(f"{number} {name}" for number, name in sorted(known.items()))
     picked = []
     for value in chosen:
         match = [c for c in everything if value in (c.name, str(c.number))]
         if not match:
-            raise ValueError(f"all-reduce algorithm {value!r} is not one of {flavor.name}'s: "
-                             f"default, {listing}")
+            raise ValueError(f"{'non-blocking ' if nonblocking else ''}all-reduce algorithm "
+                             f"{value!r} is not one of {flavor.name}'s: default, {listing}")
         picked += [c for c in match if c not in picked]
     return picked
 
@@ -130,16 +171,22 @@ def rules_file(winners, ranks):
 def _job(sizes, iters, warmup, n, env, args):
     """Time ``sizes`` on ``n`` ranks as ``pacmpi-run`` would start them, with ``env``; the
     worker's report."""
-    result = run_command(command(sizes, iters, warmup), n, link=args.link, nodes=args.nodes,
+    result = run_command(command(sizes, iters, warmup, args.nonblocking), n, link=args.link,
+                         nodes=args.nodes,
                          env=list(env), calibrate=False, capture=True, echo=False,
                          timeout=args.timeout, mpirun=args.mpirun, tag_output=False,
                          allreduce="default", oversubscribe=args.oversubscribe,
                          hostfile=args.hostfile)
     measured = report(result.stdout)
     if result.returncode != 0 or measured is None:
-        raise RuntimeError(f"{' '.join(env)}: the job failed (exit status {result.returncode})"
-                           f": {(result.stderr or result.stdout).strip()[-1500:]}")
+        tail = (result.stderr or result.stdout).strip().splitlines()
+        raise JobFailed(f"{' '.join(env)}: the job failed (exit status {result.returncode}): "
+                        + (tail[-1] if tail else "no output"))
     return measured
+
+
+class JobFailed(RuntimeError):
+    """A timing job that did not report: the library crashed or refused the setting."""
 
 
 def _size(nbytes):
@@ -156,6 +203,9 @@ def build_parser():
     what.add_argument("--sizes", default="4K,64K,1M,16M",
                       help="payload bytes per all-reduce (default %(default)s)")
     what.add_argument("--model", help="the fusion buckets of this model (pacmpi bench models)")
+    parser.add_argument("--nonblocking", action="store_true",
+                        help="tune the non-blocking all-reduce (MPI_Iallreduce, in place), "
+                             "which PacTrainReducer runs, instead of MPI_Allreduce (Horovod's)")
     parser.add_argument("--algorithms", default=None,
                         help="comma-separated numbers or names to time (default: all, and "
                              "the library's default choice)")
@@ -193,14 +243,22 @@ def _tune(args):
                    {parse_size(s) for s in args.sizes.split(",")})
     flavor = detect_mpi(args.mpirun)
     chosen = args.algorithms.split(",") if args.algorithms else None
-    runs = []
-    for candidate in candidates(flavor, chosen):
-        measured = _job(sizes, args.iters, args.warmup, args.np, candidate.env, args)
-        if flavor.kind == OPENMPI and measured["ran"] != candidate.name:
+    runs, failed = [], []
+    for candidate in candidates(flavor, chosen, args.nonblocking):
+        try:
+            measured = _job(sizes, args.iters, args.warmup, args.np, candidate.env, args)
+        except JobFailed as exc:  # one algorithm the library cannot run is a result, not an end
+            failed.append(str(exc))
+            continue
+        if measured["ran"] != candidate.name:
             raise RuntimeError(f"told {' '.join(candidate.env)}, the library ran "
                                f"{measured['ran']!r}")
         runs.append((candidate, measured))
-    print(f"pacmpi tune: {flavor.describe()}, {args.np} ranks"
+    if not runs:
+        raise RuntimeError("every algorithm's job failed: " + "; ".join(failed))
+    print(f"pacmpi tune: {flavor.describe()}, "
+          f"{'non-blocking (Iallreduce, in place)' if args.nonblocking else 'MPI_Allreduce'}, "
+          f"{args.np} ranks"
           f"{f', link {args.link}' if args.link else ''}; median time per all-reduce (us), "
           f"slowest rank, {args.iters} calls after {args.warmup} warm-up")
     winners = []
@@ -215,6 +273,8 @@ def _tune(args):
     print(harness.format_table(range(len(sizes)), columns))
     wrong = {c.name: sum(row["wrong"] for row in m["rows"]) for c, m in runs}
     print("#wrong: " + (", ".join(f"{k} {v}" for k, v in wrong.items() if v) or "0 everywhere"))
+    for why in failed:
+        print(f"#failed, left out: {why}")
     env = _recommend(winners, runs, args, flavor)
     # The printed lines, exactly, in a fresh job: what does the library say it runs?
     check = _job(sizes, 1, 0, args.np, env, args)
@@ -224,7 +284,8 @@ def _tune(args):
           f"{check['ran'] or 'what the library does not report'}, every sum exact")
     if args.json:
         harness.write_report(args.json, {
-            "mpi": flavor.describe(), "ranks": args.np, "link": args.link, "sizes": sizes,
+            "mpi": flavor.describe(), "nonblocking": args.nonblocking, "ranks": args.np,
+            "link": args.link, "sizes": sizes,
             "runs": [{"algorithm": c.name, "env": list(c.env), **m} for c, m in runs],
             "fastest": [{"bytes": b, "algorithm": c.name} for b, c in winners],
             "export": env, "checked": check["ran"]}, "pacmpi tune")
@@ -242,8 +303,9 @@ def _recommend(winners, runs, args, flavor):
             print(f"  {span}: {winners[start][1].name}")
             start = i
     distinct = {c for _, c in winners}
-    if len(distinct) == 1 or flavor.kind != OPENMPI:
-        # One setting for all sizes: the winner, or (MPICH has one value) the best in total.
+    if len(distinct) == 1 or flavor.kind != OPENMPI or args.nonblocking:
+        # One setting for all sizes: the winner, or the best in total where the library takes
+        # one value (MPICH, Open MPI's libnbc: no rules file).
         best = (next(iter(distinct)) if len(distinct) == 1 else
                 min(runs, key=lambda r: sum(row["median_s"] for row in r[1]["rows"]))[0])
         env = list(best.env)

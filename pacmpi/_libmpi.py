@@ -53,14 +53,15 @@ def user_op(MPI, address):
 
 
 _NAME_LEN = 256
+_DESC_LEN = 8192  # MPICH's algorithm selectors describe every value: about 1 KiB
 
 
 def control_variable(MPI, name):
     """``(value, item)`` of the MPI_T control variable ``name`` as the MPI library itself sees
     it (after ``MPI_Init``: the value it read from ``--mca``, the environment or its parameter
-    files): an int (a boolean as 0/1) and the name of its enum value (``None`` when it is no
-    enum), or a string and ``None``; ``None`` when the library has no such variable. mpi4py
-    wraps no MPI_T."""
+    files): an int (a boolean as 0/1) and the name of its value (``None`` when the library
+    names none), or a string and ``None``; ``None`` when the library has no such variable.
+    mpi4py wraps no MPI_T."""
     provided = ctypes.c_int()
     if function(MPI, "MPI_T_init_thread")(0, ctypes.byref(provided)) != 0:
         raise RuntimeError("MPI_T_init_thread failed")
@@ -68,7 +69,7 @@ def control_variable(MPI, name):
         index = ctypes.c_int()
         if function(MPI, "MPI_T_cvar_get_index")(name.encode(), ctypes.byref(index)) != 0:
             return None
-        datatype, enumtype = _cvar_types(MPI, index)
+        datatype, enumtype, description = _cvar_info(MPI, index)
         handle, count = ctypes.c_void_p(), ctypes.c_int()
         if function(MPI, "MPI_T_cvar_handle_alloc")(index, None, ctypes.byref(handle),
                                                     ctypes.byref(count)) != 0:
@@ -83,28 +84,37 @@ def control_variable(MPI, name):
         finally:
             function(MPI, "MPI_T_cvar_handle_free")(ctypes.byref(handle))
         value = ctypes.c_int(value.value & 0xFFFFFFFF).value  # an int fills 4 bytes
-        return value, _enum_item(MPI, enumtype, value)
+        return value, (_enum_item(MPI, enumtype, value) if enumtype.value else
+                       _listed_item(description, value))
     finally:
         function(MPI, "MPI_T_finalize")()
 
 
-def _cvar_types(MPI, index):
-    """``(datatype handle, enum handle)`` of control variable ``index``."""
-    texts = [ctypes.create_string_buffer(_NAME_LEN) for _ in range(2)]
-    lengths = [ctypes.c_int(_NAME_LEN) for _ in range(2)]
+def _cvar_info(MPI, index):
+    """``(datatype handle, enum handle, description)`` of control variable ``index``."""
+    texts = [ctypes.create_string_buffer(_NAME_LEN), ctypes.create_string_buffer(_DESC_LEN)]
+    lengths = [ctypes.c_int(_NAME_LEN), ctypes.c_int(_DESC_LEN)]
     verbosity, bind, scope = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     datatype, enumtype = ctypes.c_void_p(), ctypes.c_void_p()
     function(MPI, "MPI_T_cvar_get_info")(
         index, texts[0], ctypes.byref(lengths[0]), ctypes.byref(verbosity),
         ctypes.byref(datatype), ctypes.byref(enumtype), texts[1], ctypes.byref(lengths[1]),
         ctypes.byref(bind), ctypes.byref(scope))
-    return datatype.value or 0, enumtype
+    return datatype.value or 0, enumtype, texts[1].value.decode(errors="replace")
+
+
+def _listed_item(description, value):
+    """The name of ``value`` where an int variable's description lists its values in order, one
+    ``name - what it does`` line each after a first line (MPICH's algorithm selectors: no MPI_T
+    enum, ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring`` reads back as 8); else ``None``."""
+    lines = description.splitlines()[1:]
+    if 0 <= value < len(lines) and all(" - " in line for line in lines):
+        return lines[value].partition(" - ")[0].strip()
+    return None
 
 
 def _enum_item(MPI, enumtype, value):
     """The name of ``value`` in enum ``enumtype``, or ``None`` (no enum, or not in it)."""
-    if not enumtype.value:  # MPI_T_ENUM_NULL
-        return None
     text = ctypes.create_string_buffer(_NAME_LEN)
     items, length = ctypes.c_int(), ctypes.c_int(_NAME_LEN)
     function(MPI, "MPI_T_enum_get_info")(enumtype, ctypes.byref(items), text,

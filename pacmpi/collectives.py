@@ -157,17 +157,32 @@ def cuda_support(MPI):
     return bool(flag.value), "MPIX_GPU_query_support(CUDA)"
 
 
-def allreduce_algorithm(MPI):
+def allreduce_algorithm(MPI, *, nonblocking=False):
     """The all-reduce algorithm the MPI library mpi4py runs on was told to use, read back from
-    the library (MPI_T control variables, after ``MPI_Init``): for Open MPI ``"default"`` (its
-    own choice per call: ``coll_tuned_use_dynamic_rules`` off, or on with the algorithm left
-    at ``ignore`` and no rules file), the forced algorithm's name (``"ring"``,
-    ``"recursive_doubling"``, ...) or ``"rules file PATH"`` (a
+    the library (MPI_T control variables, after ``MPI_Init``): ``"default"`` (its own choice
+    per call), the forced algorithm's name (``"ring"``, ``"recursive_doubling"``, ...), for
+    Open MPI's blocking all-reduce also ``"rules file PATH"`` (a
     ``coll_tuned_dynamic_rules_filename``, which Open MPI consults first); ``None`` for a
     library that cannot say. What ``pacmpi-run`` pins on the test bed and ``pacmpi tune``
-    recommends, checked where it acts."""
-    if not MPI.Get_library_version().startswith("Open MPI"):
+    recommends, checked where it acts.
+
+    ``nonblocking``: the algorithm of ``MPI_Iallreduce``, which :class:`PacTrainReducer`
+    runs, instead of ``MPI_Allreduce``'s (Horovod's, the benchmark's). The libraries choose
+    them apart: Open MPI in coll/libnbc (``coll_libnbc_iallreduce_algorithm``; its own choice
+    for an in-place buffer is a binomial tree) and coll/tuned (``coll_tuned_use_dynamic_rules``
+    and ``coll_tuned_allreduce_algorithm``), MPICH in ``MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM``
+    and ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM``.
+    """
+    library = MPI.Get_library_version()
+    if library.startswith("MPICH"):
+        kind = "IALLREDUCE" if nonblocking else "ALLREDUCE"
+        forced = _libmpi.control_variable(MPI, f"MPIR_CVAR_{kind}_INTRA_ALGORITHM")
+        return None if forced is None else _named(forced)
+    if not library.startswith("Open MPI"):
         return None
+    if nonblocking:
+        forced = _libmpi.control_variable(MPI, "coll_libnbc_iallreduce_algorithm")
+        return None if forced is None else _named(forced)  # None: coll/libnbc not built
     dynamic = _libmpi.control_variable(MPI, "coll_tuned_use_dynamic_rules")
     forced = _libmpi.control_variable(MPI, "coll_tuned_allreduce_algorithm")
     rules = _libmpi.control_variable(MPI, "coll_tuned_dynamic_rules_filename")
@@ -177,7 +192,14 @@ def allreduce_algorithm(MPI):
         return "default"
     if rules and rules[0]:
         return f"rules file {rules[0]}"
-    return "default" if forced[0] == 0 else forced[1] or str(forced[0])
+    return _named(forced)
+
+
+def _named(setting):
+    """An algorithm selector's ``(value, name)`` as the algorithm's name: value 0 (Open MPI's
+    "ignore", MPICH's "auto") is the library's own choice, ``"default"``."""
+    value, name = setting
+    return "default" if value == 0 else name or str(value)
 
 
 class MPICollectives(Collectives):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for pacmpi: a project venv with Open MPI (PyPI wheel) + mpi4py, NumPy,
 # Numba, PyTorch 2.13 (CPU), the test, wheel-building and benchmark tools, Horovod 0.28.1
-# built from its sdist with the C++17 fix, and pacmpi itself (editable). The Horovod wheel is
+# built from its sdist with the C++17 fix, pacmpi itself (editable), and MPICH with pacmpi in
+# a venv of its own (.venv/mpich, for the tests of MPICH's settings). The Horovod wheel is
 # cached outside the repo (PACMPI_WHEEL_CACHE) and rebuilt when missing.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,6 +44,15 @@ if ! "$py" -c "import horovod.torch" 2>/dev/null; then
 fi
 
 "${pip[@]}" --no-deps -e "$here"
+# A second MPI, MPICH, in a venv of its own (one process loads one libmpi): the tests run
+# pacmpi-run's MPICH pins and pacmpi tune against a real MPICH library with it.
+mpich="$venv/mpich"
+if [ ! -x "$mpich/bin/mpiexec" ]; then
+  "$python" -m venv "$mpich"
+  "$mpich/bin/python" -m pip install --disable-pip-version-check -q "mpich==5.0.2" \
+    "mpi4py==4.1.2" "numpy==2.4.6"
+fi
+"$mpich/bin/python" -m pip install --disable-pip-version-check -q --no-deps -e "$here"
 # Compile the Numba codec kernels once into their on-disk cache (about 25 s the first time,
 # about 1 s when cached), so no training step or test waits for the compiler.
 "$py" -c "import pacmpi.kernels as k; print('codec kernels:', k.warm_up())"

@@ -20,8 +20,8 @@ from mpi_util import netns_skip_reason
 
 PY = sys.executable
 VENV_BIN = str(Path(PY).parent)
-NAMES = ["python", "numpy", "mpi4py", "mpi_library", "mpirun", "cuda_aware", "cupy", "torch",
-         "torchrun", "horovod", "testbed", "slots"]
+NAMES = ["python", "numpy", "mpi4py", "mpi_library", "mpirun", "cuda_aware", "allreduce", "cupy",
+         "torch", "torchrun", "horovod", "testbed", "slots"]
 REQUIRED = {"python", "numpy", "mpi4py", "mpi_library", "mpirun"}
 
 
@@ -111,6 +111,28 @@ def test_mpi_library_and_cuda_awareness_lines_match_ompi_info(real):
     assert cuda["data"]["cuda_aware"] is built
     assert cuda["status"] == ("ok" if built else "missing")
     assert cuda["data"]["cuda_query"] == "MPIX_Query_cuda_support()"
+
+
+@pytest.mark.parametrize("settings, status, blocking, nonblocking", [
+    ({}, "warn", "default", "default"),
+    ({"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1"}, "ok", "default", "ring"),
+    ({"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "4",
+      "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "3"}, "ok", "ring", "rabenseifner")])
+def test_allreduce_line_reads_what_a_job_from_this_shell_would_run(monkeypatch, settings, status,
+                                                                    blocking, nonblocking):
+    for name in [n for n in os.environ if n.startswith("OMPI_MCA_coll_")]:
+        monkeypatch.delenv(name)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    check = doctor.check_allreduce(doctor.probe_mpi())
+    assert check.status == status and check.data == {"allreduce": blocking,
+                                                     "iallreduce": nonblocking}
+    assert check.detail.startswith(f"MPI_Allreduce (Horovod): {blocking}; MPI_Iallreduce "
+                                   f"(PacTrainReducer): {nonblocking}")
+    if status == "warn":  # libnbc's own choice for the reducer's in-place buffers
+        assert "binomial tree" in check.detail
+        assert check.fix.startswith("export OMPI_MCA_coll_libnbc_iallreduce_algorithm=1")
+    assert doctor.check_allreduce({"error": "boom"}).status == "missing"
 
 
 def test_mpirun_line(real):

@@ -257,12 +257,15 @@ RING_OMPI = ["OMPI_MCA_coll_tuned_use_dynamic_rules=1", "OMPI_MCA_coll_tuned_all
              "OMPI_MCA_coll_libnbc_iallreduce_algorithm=1"]
 RING_MPICH = ["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring",
               "MPIR_CVAR_ALLGATHER_INTRA_ALGORITHM=ring",
-              "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring"]
+              "MPIR_CVAR_ALLGATHERV_INTRA_ALGORITHM=ring",
+              "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=tsp_ring"]
 
 
 def test_ring_collectives_env():
     assert ring_collectives_env(OMPI5) == RING_OMPI
     assert ring_collectives_env(MPICH) == RING_MPICH
+    # MPICH 3 spelled the non-blocking ring gentran_ring; an unknown value aborts MPI_Init.
+    assert ring_collectives_env(MPIFlavor("mpich", (3, 4, 3))) == RING_MPICH[:3]
     assert ring_collectives_env(INTEL) == []
 
 

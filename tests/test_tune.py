@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(not OPENMPI, reason="the tests' MPI is not Open MPI")]
 PROBE = ("from mpi4py import MPI; import numpy as np; "
          "from pacmpi.collectives import allreduce_algorithm; "
-         "print('RAN', allreduce_algorithm(MPI), flush=True)")
+         "print('RAN', allreduce_algorithm(MPI), flush=True); "
+         "print('NBC', allreduce_algorithm(MPI, nonblocking=True), flush=True)")
 
 
 def tune(*args):
@@ -45,12 +46,40 @@ def test_tune_names_a_real_algorithm_whose_lines_take_effect(tmp_path):
     assert '"checked": "' + winner in (tmp_path / "tune.json").read_text()
 
 
+def test_tune_nonblocking_times_libnbc_and_its_line_takes_effect(tmp_path):
+    done = tune("--sizes", "4K,64K", "--iters", "2", "--nonblocking", "--algorithms",
+                "ring,binomial", "--json", str(tmp_path / "tune.json"))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("pacmpi tune: Open MPI 5.")
+    assert "non-blocking (Iallreduce, in place), 2 ranks" in lines[0]
+    assert lines[1].split() == ["size", "ring", "binomial", "fastest"]
+    export = [line for line in lines if line.startswith("export O")]
+    assert len(export) == 1  # libnbc takes no rules file: one algorithm for every size
+    name, _, number = export[0][len("export "):].partition("=")
+    assert name == "OMPI_MCA_coll_libnbc_iallreduce_algorithm" and number in {"1", "2"}
+    winner = {"1": "ring", "2": "binomial"}[number]
+    assert f"checked: a fresh 2-rank job with these lines ran {winner}, every sum exact" in lines
+    # Exported by hand into a plain mpirun job: the non-blocking call runs the winner, the
+    # blocking one is untouched (coll/tuned's own choice).
+    probe = run_bounded(mpirun_argv(2) + [sys.executable, "-c", PROBE], timeout=60,
+                        env=dict(os.environ, **{name: number}), what="probe")
+    assert sorted(line for line in probe.stdout.splitlines() if line[:3] in ("RAN", "NBC")) == \
+        [f"NBC {winner}"] * 2 + ["RAN default"] * 2, probe.stderr
+    assert '"nonblocking": true' in (tmp_path / "tune.json").read_text()
+
+
 def test_a_bogus_algorithm_is_refused_naming_it():
     done = tune("--sizes", "4K", "--algorithms", "ring,99")
     assert done.returncode == 2
     assert "all-reduce algorithm '99' is not one of Open MPI's: default, 1 basic_linear" \
         in done.stderr
     assert "4 ring" in done.stderr and "ran" not in done.stdout  # nothing was timed
+    # The non-blocking list is libnbc's own: segmented_ring is coll/tuned's, not libnbc's.
+    done = tune("--sizes", "4K", "--nonblocking", "--algorithms", "segmented_ring")
+    assert done.returncode == 2
+    assert ("non-blocking all-reduce algorithm 'segmented_ring' is not one of Open MPI's: "
+            "default, 1 ring, 2 binomial, 3 rabenseifner, 4 recursive_doubling") in done.stderr
 
 
 def test_open_mpi_reads_the_rules_file_by_size_range(tmp_path):
