@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -121,6 +122,41 @@ def test_memory_report_counts_the_live_arrays():
     # With error feedback: the survivors' residual, updated by the encode (no spare).
     with_feedback, _ = _stepped("ternary", 0.5, error_feedback=True)
     assert with_feedback.memory_report() == dict(report, residuals=4 * kept)
+
+
+def test_a_residual_is_cut_to_its_survivors_in_place():
+    """The step a mask starts being packed compacts the dense steps' full-length residual and
+    cuts it in place: the survivors' residual never sits beside the full one (that was 0.5x
+    of the gradient bytes more, at density 0.5). The values are those of a copy's."""
+    size = 1 << 20
+    mask = np.random.default_rng(0).random(size) < 0.5
+    grads = [np.random.default_rng(1 + s).standard_normal(size).astype(np.float32)
+             for s in range(4)]
+    reducers = [PacTrainReducer([mask], comm=MPI.COMM_SELF, quantize="ternary",
+                                error_feedback=True, stable_steps=2) for _ in range(2)]
+    tracemalloc.start()
+    try:
+        extra = []
+        for step, grad in enumerate(grads):
+            one, other = grad.copy(), grad.copy()
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            reducers[0].reduce([one])
+            extra.append((tracemalloc.get_traced_memory()[1] - before) / grad.nbytes)
+            if step == 1:  # the other one's residual is held by another name: copied instead
+                held = reducers[1].engine._residuals[0].values  # noqa: F841
+            reducers[1].reduce([other])
+            np.testing.assert_array_equal(one, other)
+    finally:
+        tracemalloc.stop()
+    stats = reducers[0].stats
+    assert stats["dense_reductions"] >= 1 and stats["packed_reductions"] >= 1  # a transition
+    # After the first step (which builds the layout and loads the kernels): words, bits and
+    # scales only, no second residual.
+    assert max(extra[1:]) < 0.25, extra
+    kept = int(mask.sum())
+    for reducer in reducers:
+        assert reducer.memory_report()["residuals"] == 4 * kept
 
 
 def test_buckets_reduced_one_after_another_share_one_payload_buffer():
