@@ -318,6 +318,7 @@ def summarize_run(result, spec, world):
         "state_sha256": result["state_sha256"],
         "loss_curve": [s.get("loss") for s in result["steps"]],
         "bias": result.get("bias"),
+        "mpi_algorithms": result.get("mpi_algorithms"),
     }
 
 

@@ -52,6 +52,7 @@ from pacmpi.adapters.torch_sync import (
     broadcast_object,
     broadcast_parameters,
 )
+from pacmpi.collectives import allreduce_algorithm
 from pacmpi.engine import check_options
 from pacmpi.experiments.baselines import make_baseline, make_sync
 from pacmpi.experiments.codesearch import (
@@ -813,7 +814,21 @@ def fine_tune(config, collectives=None):
         "stats": dict(sync.stats),
         "state_sha256": _state_digest(model),
         "bias": probe.summary() if probe is not None else None,
+        "mpi_algorithms": _mpi_algorithms(cfg.backend),
     }
+
+
+def _mpi_algorithms(backend):
+    """The all-reduce algorithms the MPI library was told to run, read back from it (MPI_T):
+    the non-blocking one the reducer's buckets take and the blocking one; ``None`` off MPI.
+    Recorded because the two are chosen apart (Open MPI: coll/libnbc and coll/tuned), and a
+    job once ran a binomial tree while its blocking algorithm read "ring"."""
+    if backend != "mpi":
+        return None
+    from mpi4py import MPI
+
+    return {"allreduce": allreduce_algorithm(MPI),
+            "iallreduce": allreduce_algorithm(MPI, nonblocking=True)}
 
 
 def _progress(cfg, rank):

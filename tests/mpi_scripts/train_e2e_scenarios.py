@@ -13,6 +13,7 @@ import os
 import pytest
 from mpi4py import MPI
 
+from pacmpi.collectives import allreduce_algorithm
 from pacmpi.experiments.train import main, run
 
 comm = MPI.COMM_WORLD
@@ -79,6 +80,11 @@ def test_json_output():
     with open(out) as f:
         written = json.load(f)
     assert written["config"]["max_steps"] == 4 and len(written["steps"]) == 4, written["config"]
+    # What the library was told for each all-reduce, read back: Open MPI names both.
+    assert written["mpi_algorithms"] == {
+        "allreduce": allreduce_algorithm(MPI),
+        "iallreduce": allreduce_algorithm(MPI, nonblocking=True)}
+    assert None not in written["mpi_algorithms"].values()
 
 
 def test_resumed_run_is_bit_identical():
