@@ -361,6 +361,8 @@ class PacTrainSync(_HookedSync):
         self._missing[b] -= 1
         if self._missing[b] == 0:
             self.reducer.mark_ready(b, self._arrays)
+        else:  # the buckets in flight move on while backward computes (MPI needs the calls)
+            self.reducer.progress()
 
     def _reduce(self, arrays):
         self.reducer.wait(arrays)

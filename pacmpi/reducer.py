@@ -295,6 +295,16 @@ class PacTrainReducer:
             self._begin_step(None)
         self._ready.add(bucket)
         self._launch_ready(grads)
+        self.progress()
+
+    def progress(self):
+        """Let the buckets in flight move on, without waiting for them: call it now and then
+        while other work runs (the PyTorch adapter's sync does, from every gradient hook).
+        Over MPI this is what moves their data before :meth:`wait`: Open MPI advances a
+        non-blocking all-reduce only inside MPI calls (:meth:`MPICollectives.progress`)."""
+        if self._pending:
+            self.collectives.progress([r for _, _, _, r in self._pending.values()
+                                       if r is not None])
 
     def wait(self, grads):
         """Launch what is left, wait for every bucket and write results into ``grads``."""
