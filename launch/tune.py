@@ -66,9 +66,8 @@ def openmpi_algorithms(flavor, nonblocking=False):
     component = "libnbc" if nonblocking else "tuned"
     done = subprocess.run([str(ompi_info), "--parsable", "--param", "coll", component,
                            "--level", "9"], capture_output=True, text=True, timeout=60)
-    variable = _NBC if nonblocking else _FORCED
-    prefix = (f"mca:coll:{component}:param:{variable[len('OMPI_MCA_'):]}"
-              ":enumerator:value:")
+    param = (_NBC if nonblocking else _FORCED).removeprefix("OMPI_MCA_")
+    prefix = f"mca:coll:{component}:param:{param}:enumerator:value:"
     found = {}
     for line in done.stdout.splitlines():
         if line.startswith(prefix):
@@ -76,8 +75,8 @@ def openmpi_algorithms(flavor, nonblocking=False):
             if int(number):
                 found[int(number)] = name
     if not found:
-        raise ValueError(f"{ompi_info} lists no {variable[len('OMPI_MCA_'):]} values (exit "
-                         f"status {done.returncode}): is coll/{component} built?")
+        raise ValueError(f"{ompi_info} lists no {param} values (exit status "
+                         f"{done.returncode}): is coll/{component} built?")
     return found
 
 
@@ -87,12 +86,13 @@ def mpich_algorithms(flavor, nonblocking=False):
     ``name - what it does`` line per value, in order (0, "auto", is the default choice)."""
     mpivars = Path(flavor.mpirun).with_name("mpivars")
     done = subprocess.run([str(mpivars)], capture_output=True, text=True, timeout=60)
-    head = f"\t{_mpich_variable(nonblocking)}="
+    variable = _mpich_variable(nonblocking)
     lines = done.stdout.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(head)), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"\t{variable}=")),
+                 None)
     if start is None:
-        raise ValueError(f"{mpivars} does not describe {_mpich_variable(nonblocking)} (exit "
-                         f"status {done.returncode})")
+        raise ValueError(f"{mpivars} does not describe {variable} (exit status "
+                         f"{done.returncode})")
     found = {}
     for line in lines[start + 1:]:
         if line.startswith("\t") or " - " not in line:
@@ -100,7 +100,7 @@ def mpich_algorithms(flavor, nonblocking=False):
         found[len(found)] = line.partition(" - ")[0].strip()
     found.pop(0, None)
     if not found:
-        raise ValueError(f"{mpivars} lists no values of {_mpich_variable(nonblocking)}")
+        raise ValueError(f"{mpivars} lists no values of {variable}")
     return found
 
 
@@ -113,24 +113,21 @@ def candidates(flavor, chosen=None, nonblocking=False):
     every algorithm and the default choice, or the ``chosen`` ones (numbers or names;
     ``"default"``). A value the library does not have is a ValueError naming it and listing
     the valid ones."""
-    if flavor.kind == OPENMPI:
+    # Per library: its algorithms, the settings of its default choice and of algorithm k.
+    if flavor.kind == OPENMPI and nonblocking:
         known = openmpi_algorithms(flavor, nonblocking)
-        if nonblocking:
-            everything = [Candidate("default", None, (f"{_NBC}=0",))] + [
-                Candidate(name, number, (f"{_NBC}={number}",))
-                for number, name in sorted(known.items())]
-        else:
-            everything = [Candidate("default", None, (f"{_DYNAMIC}=0",))] + [
-                Candidate(name, number, (f"{_DYNAMIC}=1", f"{_FORCED}={number}"))
-                for number, name in sorted(known.items())]
+        default, setting = (f"{_NBC}=0",), lambda k, name: (f"{_NBC}={k}",)
+    elif flavor.kind == OPENMPI:
+        known = openmpi_algorithms(flavor, nonblocking)
+        default, setting = (f"{_DYNAMIC}=0",), lambda k, name: (f"{_DYNAMIC}=1",
+                                                                f"{_FORCED}={k}")
     elif flavor.kind == MPICH:
-        known = mpich_algorithms(flavor, nonblocking)
-        variable = _mpich_variable(nonblocking)
-        everything = [Candidate("default", None, (f"{variable}=auto",))] + [
-            Candidate(name, number, (f"{variable}={name}",))
-            for number, name in sorted(known.items())]
+        known, variable = mpich_algorithms(flavor, nonblocking), _mpich_variable(nonblocking)
+        default, setting = (f"{variable}=auto",), lambda k, name: (f"{variable}={name}",)
     else:
         raise ValueError(f"pacmpi tune knows Open MPI and MPICH, not {flavor.describe()}")
+    everything = [Candidate("default", None, default)] + [
+        Candidate(name, k, setting(k, name)) for k, name in sorted(known.items())]
     if not chosen:
         return everything
     listing = ", ".join(f"{number} {name}" for number, name in sorted(known.items()))

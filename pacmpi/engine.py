@@ -438,12 +438,17 @@ class StepEngine:
         return spec.segments if self.ternary_scale != "bucket" and spec.segments \
             else (spec.size,)
 
+    def _block_count(self, n):
+        """How many scales ``n`` elements get: ``ternary_scale`` elements a scale, or one."""
+        block = self.ternary_scale
+        return 1 if isinstance(block, str) or n <= block else -(-n // block)
+
     def _blocks(self, n):
         """``n`` elements cut into ``ternary_scale`` elements a scale (the last block shorter),
         or whole."""
-        block = self.ternary_scale
-        if isinstance(block, str) or n <= block:
+        if self._block_count(n) == 1:
             return [n]
+        block = self.ternary_scale
         return [block] * (n // block) + [n % block] * bool(n % block)
 
     def end_step(self):
@@ -975,9 +980,7 @@ class StepEngine:
         members = np.array(b, dtype=np.uint64) if isinstance(b, tuple) else b
         key = ternary_key(self.seed, self.step, members, self.collectives.rank)
         if isinstance(b, tuple):  # a member's blocks go on along its key's numbers
-            block = self.ternary_scale
-            blocks = [1 if isinstance(block, str) or n <= block else -(-n // block)
-                      for n in self._tensor_sizes(b)]
+            blocks = [self._block_count(n) for n in self._tensor_sizes(b)]
             first = np.repeat(table.starts[np.cumsum([0] + blocks[:-1])], blocks)
             key = uniform_from(np.repeat(key, blocks),
                                (table.starts[:-1] - first).astype(np.uint64))
