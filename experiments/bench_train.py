@@ -24,10 +24,11 @@ residual accumulation; :mod:`pacmpi.experiments.baselines`) fine-tune the unprun
 suffix (``topk-1%-noef``, ``pactrain-ternary-0.8-noef``) turns error feedback off; a
 ``-blockN`` suffix on ``pactrain-ternary-R`` gives a ternary scale per N elements of a tensor.
 
-Node test bed: ``--nodes K [--topology star|shared]`` runs every (MPI) job on K simulated nodes
+Node test bed: ``--nodes K [--topology star|shared]`` runs every job on K simulated nodes
 (:class:`pacmpi.launch.NodeTestbed`: a namespace, an Open MPI daemon and a link of the rate per
-node, ``ranks / K`` ranks each); the larger workload is ``--dataset digits32 --model resnet18``
-(CIFAR-style ResNet-18 on the digits upscaled to 32x32).
+node, ``ranks / K`` ranks each; ``ddp-*`` rows run a torchrun per node); the larger workload
+is ``--dataset digits32 --model resnet18`` (CIFAR-style ResNet-18 on the digits upscaled to
+32x32).
 
 Repeats: ``--seeds 0,1,2`` runs everything once per seed (each seed its own pretraining, data
 split, target); the JSON keeps every run under ``seed_runs`` and gives the median and range over
@@ -39,7 +40,10 @@ backend under ``mpirun``. Labels starting ``ddp-`` run ``pacmpi train --backend 
 ``torchrun`` (gloo) on the same test bed: ``ddp-dense`` (DDP's default all-reduce),
 ``ddp-fp16`` (``fp16_compress_hook``), ``ddp-powersgd-<K>`` (``powerSGD_hook`` of rank K) on
 the unpruned model, and ``ddp-pactrain-<R>``, ``ddp-pactrain-ternary-<R>`` (PacTrain's DDP
-communication hook). Presets: ``ddp`` (:data:`DDP_METHODS`) and ``default``
+communication hook). A ``-sharded`` suffix shards the optimizer state (``pacmpi train
+--sharded``): ``pactrain-<R>-sharded`` (:class:`pacmpi.adapters.sharded.ShardedOptimizer`),
+``ddp-pactrain-<R>-sharded`` (its DDP hook) and ``ddp-dense-sharded`` (DDP with torch's
+``ZeroRedundancyOptimizer``). Presets: ``ddp`` (:data:`DDP_METHODS`) and ``default``
 (:data:`DEFAULT_METHODS`), e.g. ``--methods dense,fp16,ddp``. Speedups are against dense and
 fp16 (MPI) and, when it ran, DDP's default all-reduce (``ddp-dense``).
 """
@@ -172,7 +176,8 @@ class MethodSpec:
     pruning ``ratio`` and ``topk_ratio`` (TopK's and DGC's kept fraction), its ``backend``
     (``"mpi"`` under mpirun, ``"ddp"`` under torchrun), ``powersgd_rank`` (``--method
     powersgd``), ``error_feedback`` (off: label suffix ``-noef``) and ``ternary_scale``
-    (label suffix ``-blockN``: a ternary scale per N elements of a tensor)."""
+    (label suffix ``-blockN``: a ternary scale per N elements of a tensor) and ``sharded``
+    (label suffix ``-sharded``: the optimizer state sharded, ``pacmpi train --sharded``)."""
 
     label: str
     method: str
@@ -182,13 +187,16 @@ class MethodSpec:
     powersgd_rank: int = 1
     error_feedback: bool = True
     ternary_scale: object = "tensor"
+    sharded: bool = False
 
 
 _LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
            "pactrain-ternary-R (0 <= R < 1), topk-P%-noef and pactrain-ternary-R-noef (no error "
            "feedback), pactrain-ternary-R[-noef]-blockN (a scale per N values), ddp-dense, "
-           "ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, ddp-pactrain-ternary-R, or a "
-           "preset: " + ", ".join(METHOD_PRESETS))
+           "ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, ddp-pactrain-ternary-R, "
+           "pactrain-R-sharded, ddp-pactrain-R-sharded and ddp-dense-sharded (the optimizer "
+           "state sharded; DDP's dense one by ZeroRedundancyOptimizer), or a preset: "
+           + ", ".join(METHOD_PRESETS))
 
 
 def parse_method(label, baseline_ratio=0.0):
@@ -196,6 +204,13 @@ def parse_method(label, baseline_ratio=0.0):
     ``"ddp-powersgd-4"`` -> ``MethodSpec("ddp-powersgd-4", "powersgd", 0.0, backend="ddp",
     powersgd_rank=4)``; see the module doc. Old labels (``dense-fp32``) give today's."""
     label = canonical_name(label)
+    if isinstance(label, str) and label.endswith("-sharded"):
+        spec = parse_method(label[:-len("-sharded")], baseline_ratio)
+        if spec.label != label[:-len("-sharded")] or not (
+                re.fullmatch(r"(ddp-)?pactrain-[\d.]+", spec.label) or spec.label == "ddp-dense"):
+            raise ValueError(f"unknown method label {label!r}: -sharded follows pactrain-R, "
+                             "ddp-pactrain-R or ddp-dense")
+        return dataclasses.replace(spec, label=label, sharded=True)
     if label in ("dense", "fp16", "terngrad"):  # the methods without a parameter
         return MethodSpec(label, label, baseline_ratio)
     match = re.fullmatch(r"(topk|dgc)-(\d+(?:\.\d+)?)%(-noef)?", label)
@@ -291,7 +306,11 @@ def summarize_run(result, spec, world):
                       "train_seconds": elapsed_train, "test_accuracy": record["test_accuracy"],
                       "train_loss": record["train_loss"]})
     gather = METHODS[spec.method].collective == "allgather"  # n(n-1) copies cross the link
-    fan_out = world * (world - 1) if gather else 2 * (world - 1)
+    # A ring all-reduce moves 2(n-1) copies of the payload across the links, a reduce-scatter
+    # (sharded PacTrain's gradient) or the all-gather/broadcasts of the weights n-1.
+    reduce_scatter = spec.sharded and spec.method == "pactrain"
+    fan_out = world * (world - 1) if gather else (world - 1) * (1 if reduce_scatter else 2)
+    weight_bytes = summary.get("weight_bytes_per_step", 0.0)
     accuracies = [p["test_accuracy"] for p in curve]
     return {
         "label": spec.label, "method": spec.method, "ratio": spec.ratio,
@@ -311,7 +330,9 @@ def summarize_run(result, spec, world):
         "dense_bytes_per_step": summary["dense_bytes_per_step"],
         "compression": (summary["dense_bytes_per_step"] / summary["bytes_per_step"]
                         if summary["bytes_per_step"] else None),
-        "link_bytes_per_step": fan_out * summary["bytes_per_step"],
+        "sharded": spec.sharded, "weight_bytes_per_step": weight_bytes,
+        "optimizer_state_elements": result.get("optimizer_state_elements"),
+        "link_bytes_per_step": fan_out * summary["bytes_per_step"] + (world - 1) * weight_bytes,
         "dense_fallbacks": result["fallbacks"],
         "packed_reductions": summary["packed_reductions"],
         "dense_reductions": summary["dense_reductions"],
@@ -543,6 +564,8 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
         argv += ["--method", spec.method, "--ratio", str(spec.ratio)]
         if not spec.error_feedback:
             argv.append("--no-error-feedback")
+        if spec.sharded:
+            argv.append("--sharded")
         if spec.ternary_scale != "tensor":
             argv += ["--ternary-scale", str(spec.ternary_scale)]
         if spec.backend == "ddp":
@@ -585,8 +608,9 @@ def _say(message, echo):
 def job_command(cfg, spec, rate, pretrained, json_path, seed=0):
     """``(argv, ranks, options)`` of one training job for :func:`pacmpi.launch.run_command`:
     MPI rows under ``mpirun`` (oversubscribed), ``ddp-*`` rows under ``torchrun``, both on the
-    test bed when ``rate`` is not ``"none"``; with ``cfg["nodes"]`` (MPI rows only, see
-    :func:`check_nodes`) on that many simulated nodes, ``cfg["topology"]``, ``rate`` per link."""
+    test bed when ``rate`` is not ``"none"``; with ``cfg["nodes"]`` (see :func:`check_nodes`)
+    on that many simulated nodes (``ddp-*``: a torchrun per node), ``cfg["topology"]``,
+    ``rate`` per link."""
     ddp = spec.backend == "ddp"
     options = {"link": rate, "oversubscribe": not ddp, "torchrun": ddp}
     if cfg.get("nodes"):
@@ -594,12 +618,11 @@ def job_command(cfg, spec, rate, pretrained, json_path, seed=0):
     return _train_argv(cfg, spec, pretrained, json_path, seed), cfg["ranks"], options
 
 
-def check_nodes(nodes, topology, ranks, rates, sweep_rate, specs):
+def check_nodes(nodes, topology, ranks, rates, sweep_rate):
     """``ValueError`` naming the bad value unless the jobs can run on ``nodes`` simulated nodes:
     ``ranks`` a multiple of ``nodes`` (rank r on node r // (ranks / nodes)), every rate (and
-    the sweep's, when there is a sweep: ``sweep_rate`` None) shaped, and no ``ddp-*`` row
-    (torchrun starts all its workers on one host; the node bed starts Open MPI daemons).
-    ``topology`` without ``nodes`` is an error too."""
+    the sweep's, when there is a sweep: ``sweep_rate`` None) shaped (``ddp-*`` rows run one
+    torchrun per node there). ``topology`` without ``nodes`` is an error too."""
     if nodes is None:
         if topology is not None:
             raise ValueError(f"--topology {topology} applies to --nodes K")
@@ -615,10 +638,6 @@ def check_nodes(nodes, topology, ranks, rates, sweep_rate, specs):
     if unshaped:
         raise ValueError("--nodes needs a shaped rate for every node's link: rate 'none' "
                          "(in --rates or --sweep-rate) cannot run on the node test bed")
-    ddp = [spec.label for spec in specs if spec.backend == "ddp"]
-    if ddp:
-        raise ValueError(f"--nodes runs mpirun with one Open MPI daemon per node; {ddp} run "
-                         "under torchrun on one host: leave them out or drop --nodes")
 
 
 def _launch(cfg, spec, rate, pretrained, workdir, seed, tolerance, timeout, echo):
@@ -715,7 +734,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     methods = expand_methods(methods)
     specs = [parse_method(m, baseline_ratio) for m in methods]
     run_rates = [r for r in rates if not (curves is not None and r == "none")]
-    check_nodes(nodes, topology, ranks, run_rates, sweep_rate if sweep_ratios else None, specs)
+    check_nodes(nodes, topology, ranks, run_rates, sweep_rate if sweep_ratios else None)
     if timing_steps is not None and (not rates or rates[0] != "none" or timing_steps < 4):
         raise ValueError(f"--timing-steps {timing_steps} needs at least 4 steps (2 warm-up) "
                          f"and rates starting with none, got {','.join(rates)}")
@@ -1102,8 +1121,8 @@ def build_parser(parser=None):
     parser.add_argument("--hidden", default=None)
     parser.add_argument("--nodes", type=int, default=None,
                         help="run every job on K simulated nodes (pacmpi-run --nodes), "
-                             "ranks / K per node, each node's link at the rate (MPI rows "
-                             "only; no rate 'none')")
+                             "ranks / K per node, each node's link at the rate (ddp-* "
+                             "rows: a torchrun per node; no rate 'none')")
     parser.add_argument("--topology", choices=("star", "shared"), default=None,
                         help="with --nodes: star (default; a private link per node) or shared "
                              "(one queue for all traffic)")
@@ -1176,8 +1195,7 @@ def main(argv=None):
     try:
         check_nodes(args.nodes, args.topology, workload["ranks"],
                     [r for r in rates if not (curves and r == "none")],
-                    args.sweep_rate if sweep_ratios else None,
-                    [parse_method(m) for m in args.methods])
+                    args.sweep_rate if sweep_ratios else None)
     except ValueError as exc:
         parser.error(str(exc))
     report = run_benchmark(

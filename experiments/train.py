@@ -18,7 +18,12 @@ under ``horovodrun -np 4`` (Gloo or MPI controller) or ``mpirun -n 4``, or with 
 
 (``torchrun ... --no-python pacmpi train ...`` works too.) DDP's own baselines: ``--method dense``
 (DDP's default all-reduce), ``fp16`` (``fp16_compress_hook``), ``powersgd`` (``powerSGD_hook``,
-``--powersgd-rank 1`` or ``4``).
+``--powersgd-rank 1`` or ``4``). ``--sharded`` shards the optimizer state over the ranks:
+``--method pactrain`` trains through :class:`pacmpi.adapters.sharded.ShardedOptimizer` (its
+reduce-scatter of the survivors, stepped by ``optimizer.step()``; under ``--backend ddp`` by
+:func:`~pacmpi.adapters.sharded.sharded_hook` inside backward), ``--method dense --backend ddp``
+through torch's ``ZeroRedundancyOptimizer``; the result's ``optimizer_state_elements`` is the
+largest rank's optimizer state.
 
 Every collective of the job (weight and mask broadcasts, evaluation sums, barriers, the gradient
 synchronization) runs on one :class:`pacmpi.Collectives` (:func:`collectives_for`): MPI's
@@ -124,6 +129,9 @@ class TrainConfig:
     # bucket, or per N elements of a tensor (an int)
     bias_probe: bool = False           # exact average alongside (extra all-reduce), error stats
     powersgd_rank: int = 1             # --method powersgd (--backend ddp): approximation rank
+    # shard the optimizer state: pactrain -> pacmpi's ShardedOptimizer (its DDP hook under
+    # --backend ddp); dense under --backend ddp -> torch's ZeroRedundancyOptimizer
+    sharded: bool = False
     bucket_bytes: int = 25 * 1024 * 1024
     verify_every: int = 1
     stable_steps: int = 1
@@ -180,6 +188,12 @@ def _config(config):
                "--method dgc corrects SGD momentum: use --optimizer sgd"),
               (not cfg.bias_probe or (cfg.backend == "mpi" and cfg.method in PROBED_METHODS),
                f"--bias-probe needs --backend mpi and --method {'|'.join(PROBED_METHODS)}"),
+              (not cfg.sharded or cfg.method == "pactrain"
+               or (cfg.method == "dense" and cfg.backend == "ddp"),
+               f"--sharded shards --method pactrain (any backend) or dense (--backend ddp: "
+               f"ZeroRedundancyOptimizer), not {cfg.method} with --backend {cfg.backend}"),
+              (not (cfg.sharded and (cfg.checkpoint or cfg.bias_probe)),
+               "--sharded does not support --checkpoint or --bias-probe"),
               (cfg.backend == "mpi" or not cfg.checkpoint,
                f"--backend {cfg.backend} does not support --checkpoint/--resume; "
                "use --backend mpi"),
@@ -239,13 +253,27 @@ def _model_kwargs(cfg, data):
     return {"width": cfg.width}
 
 
-def _optimizer(cfg, params, lr):
+def _optimizer_kind(cfg, lr):
+    """``(optimizer class, its arguments but the parameters)``, as the sharded optimizers
+    take them."""
     if cfg.optimizer == "sgd":
         # DGC applies the momentum before compressing (momentum correction), not after.
         momentum = 0.0 if cfg.method == "dgc" else cfg.momentum
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD, dict(lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
     kind = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
-    return kind(params, lr=lr, weight_decay=cfg.weight_decay)
+    return kind, dict(lr=lr, weight_decay=cfg.weight_decay)
+
+
+def _optimizer(cfg, params, lr):
+    kind, options = _optimizer_kind(cfg, lr)
+    return kind(params, **options)
+
+
+def _state_elements(optimizer):
+    """Elements of the per-coordinate state (momenta) ``optimizer`` keeps on this rank."""
+    inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", optimizer)
+    return sum(v.numel() for state in inner.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.dim() > 0)
 
 
 def _loss_fn(cfg):
@@ -526,6 +554,66 @@ class _DDPSync(_FrameworkSync):
         self._record(counters, sent, compute_seconds=compute_seconds, wait_seconds=0.0, **extra)
 
 
+class _ShardedSync(_FrameworkSync):
+    """``--sharded``: the optimizer state sharded over the ranks. PacTrain: a
+    :class:`pacmpi.adapters.sharded.ShardedOptimizer` over this rank's shard of the survivors,
+    stepped by ``optimizer.step()`` (``--backend mpi``) or inside backward by
+    :func:`~pacmpi.adapters.sharded.sharded_hook` (``--backend ddp``); dense (``--backend
+    ddp``): DDP's all-reduce and torch's ``ZeroRedundancyOptimizer``, the ZeRO-1 users have.
+    ``weight_bytes`` per step: what the collective that brings the updated weights back
+    carries (the all-gather; ZeRO's broadcasts), beside the gradient's ``bytes_sent``."""
+
+    def __init__(self, cfg, model, masks, collectives):
+        from pacmpi.adapters.sharded import ShardedOptimizer, sharded_hook
+
+        super().__init__(cfg, model, masks)
+        kind, options = _optimizer_kind(cfg, cfg.lr)
+        self.forward, self.sharded = model, None
+        if cfg.backend == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.forward = DistributedDataParallel(model)
+        if cfg.method == "dense":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=kind,
+                                                     **options)
+            self._weight_bytes = self.dense_bytes
+            return
+        self.sharded = self.optimizer = ShardedOptimizer(
+            model, kind, masks=masks, collectives=collectives, verify_every=cfg.verify_every,
+            **options)
+        self._in_backward = cfg.backend == "ddp"  # sharded_hook steps inside backward
+        if self._in_backward:
+            self.forward.register_comm_hook(self.sharded, sharded_hook)
+        self._weight_bytes, self._comm = self._survivor_bytes(), 0.0
+
+    def _survivor_bytes(self):
+        return sum(g.reducer.layout.total * g.shard.element_size() for g in self.sharded.groups)
+
+    def set_masks(self, masks):
+        super().set_masks(masks)
+        if self.sharded is not None:
+            self.sharded.set_masks(self.masks)
+            self._weight_bytes = self._survivor_bytes()
+
+    def record(self, compute_seconds, step_seconds):
+        """Account one step (``step_seconds``: ``optimizer.step()``; under DDP the sharded
+        step ran in backward, so ``compute_seconds`` holds what of it is exposed)."""
+        extra = {"weight_bytes": self._weight_bytes}
+        if self.sharded is None:
+            self._record(None, self.dense_bytes, compute_seconds=compute_seconds,
+                         wait_seconds=0.0, comm_seconds=0.0, **extra)
+            return
+        counters = {key: sum(g.reducer.stats[key] for g in self.sharded.groups)
+                    for key in ("bytes_sent", "dense_fallbacks", "packed_reductions",
+                                "dense_reductions")}
+        comm = sum(g.reducer.stats["comm_seconds"] for g in self.sharded.groups)
+        extra["comm_seconds"], self._comm = comm - self._comm, comm
+        self._record(counters, 0, compute_seconds=compute_seconds,
+                     wait_seconds=0.0 if self._in_backward else step_seconds, **extra)
+
+
 class BiasProbe:
     """How far the synchronized gradient is from the exact average (``--bias-probe``, for
     ``pacmpi bench bias``). A gradient hook registered before the sync's copies each rank's
@@ -595,7 +683,7 @@ class _StepLog:
 
     KEYS = ("seconds", "compute_seconds", "pack_seconds", "comm_seconds", "unpack_seconds",
             "verify_seconds", "wait_seconds", "optimizer_seconds", "bytes_sent", "dense_bytes",
-            "dense_fallbacks", "packed_reductions", "dense_reductions")
+            "weight_bytes", "dense_fallbacks", "packed_reductions", "dense_reductions")
 
     def __init__(self):
         self.steps = []
@@ -614,6 +702,7 @@ class _StepLog:
                              for key in self.KEYS if key.endswith("seconds")},
             "bytes_per_step": sums["bytes_sent"] / n,
             "dense_bytes_per_step": sums["dense_bytes"] / n,
+            "weight_bytes_per_step": sums["weight_bytes"] / n,
             "dense_fallbacks": sums["dense_fallbacks"],
             "packed_reductions": sums["packed_reductions"],
             "dense_reductions": sums["dense_reductions"],
@@ -677,7 +766,11 @@ def fine_tune(config, collectives=None):
     forward = model
     # Before the sync's hooks, so it sees each local gradient before any of it is sent.
     probe = BiasProbe(model, enforcer.masks, collectives) if cfg.bias_probe else None
-    if cfg.backend == "ddp":
+    if cfg.sharded:
+        sync = _ShardedSync(cfg, model, {name: mask.clone() for name, mask in
+                                         enforcer.masks.items()}, collectives)
+        forward, optimizer = sync.forward, sync.optimizer
+    elif cfg.backend == "ddp":
         sync = _DDPSync(cfg, model, {name: mask.clone() for name, mask in enforcer.masks.items()})
         forward = sync.ddp
     elif cfg.backend == "horovod":
@@ -696,7 +789,8 @@ def fine_tune(config, collectives=None):
         sync = make_sync(model, cfg.method, masks=masks, topk_ratio=cfg.topk_ratio,
                          error_feedback=cfg.error_feedback, **sync_kwargs)
         sync.attach(optimizer)
-    enforcer.attach(optimizer)
+    if not (cfg.sharded and cfg.method == "pactrain"):  # the shards hold survivors only
+        enforcer.attach(optimizer)
 
     step, start_epoch, skip, elapsed, records = 0, 0, 0, 0.0, []
     log = _StepLog()
@@ -759,7 +853,7 @@ def fine_tune(config, collectives=None):
             optimizer.zero_grad()
             loss = loss_fn(forward(xb), yb)
             loss.backward()
-            if cfg.backend == "ddp":
+            if cfg.backend == "ddp" and not (cfg.sharded and cfg.method == "pactrain"):
                 enforcer.apply_to_grads()  # GSE for DDP's own methods (PacTrain's hook did it)
             t1 = time.perf_counter()
             optimizer.step()
@@ -767,7 +861,7 @@ def fine_tune(config, collectives=None):
             step += 1
             if probe is not None:
                 probe.measure()
-            if cfg.backend != "mpi":
+            if cfg.backend != "mpi" or cfg.sharded:
                 sync.record(t1 - t0, t2 - t1)
             losses.append(float(loss.detach()))
             record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,
@@ -814,6 +908,8 @@ def fine_tune(config, collectives=None):
         "stats": dict(sync.stats),
         "state_sha256": _state_digest(model),
         "bias": probe.summary() if probe is not None else None,
+        # the optimizer's per-coordinate state (Adam's moments), the largest over the ranks
+        "optimizer_state_elements": max(collectives.allgather_object(_state_elements(optimizer))),
         "mpi_algorithms": _mpi_algorithms(cfg.backend),
     }
 

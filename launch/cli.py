@@ -8,6 +8,7 @@ Examples::
     pacmpi-run -n 4 --torchrun -- pacmpi train --backend ddp    # torchrun --standalone
     pacmpi-run -n 4 --link 1gbit --dry-run -- python train.py  # print, run nothing
     pacmpi-run -n 8 --nodes 4 --link 100mbit -- python train.py  # 4 nodes x 2 ranks, star
+    pacmpi-run -n 8 --nodes 4 --link 100mbit --torchrun -- python t.py  # a torchrun per node
 
 Exit status: the launcher's (non-zero when a rank fails; the failed rank is named on
 stderr), 124 after ``--timeout``, 130 after Ctrl-C/SIGINT, 143 after SIGTERM (also when the
@@ -48,7 +49,8 @@ def build_parser():
     launcher.add_argument("--horovod", action="store_true", help="launch with horovodrun --gloo")
     launcher.add_argument("--torchrun", action="store_true",
                           help="launch with torchrun --standalone --nproc-per-node N "
-                               "--no-python (one node; gloo/NCCL via torch.distributed)")
+                               "--no-python (gloo/NCCL via torch.distributed); with --nodes K "
+                               "a torchrun --nnodes K per node")
     parser.add_argument("--nodes", type=int, metavar="K",
                         help="with --link: K simulated nodes, each a network namespace with its "
                              "own Open MPI daemon and a RATE link to a switch; N/K ranks per node")

@@ -317,7 +317,8 @@ def build_horovodrun_command(n, argv, *, gloo=True, hosts=None, network_interfac
     return cmd + list(argv)
 
 
-def build_torchrun_command(n, argv, *, torchrun="torchrun", env_forward=(), socket_ifname=None):
+def build_torchrun_command(n, argv, *, torchrun="torchrun", env_forward=(), socket_ifname=None,
+                           nodes=None):
     """Return the ``torchrun`` argument list that starts ``argv`` on ``n`` ranks of this node.
 
     ``torchrun --standalone --nproc-per-node N --no-python ARGV``: a local c10d rendezvous on
@@ -326,8 +327,10 @@ def build_torchrun_command(n, argv, *, torchrun="torchrun", env_forward=(), sock
     ``NAME`` need nothing and ``NAME=VALUE`` entries become an ``env NAME=VALUE`` prefix (the
     printed command then does what is run). ``socket_ifname`` pins gloo (and NCCL's
     bootstrap) to one interface, ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``: the test bed
-    uses ``lo``. Multi-node jobs run torchrun on every node with ``--rdzv-endpoint``; see
-    ``pacmpi train --help``.
+    uses ``lo``. ``nodes``: ``(K, MASTER_ADDR, MASTER_PORT)`` for one node of a K-node job
+    (torchrun's static rendezvous: ``--nnodes K --master-addr A --master-port P``; the node's
+    rank comes from ``PET_NODE_RANK``, torchrun's environment form of ``--node-rank``, so one
+    command serves every node); the node test bed runs it on each node.
     """
     if n < 1:
         raise ValueError(f"rank count must be at least 1, got {n}")
@@ -338,5 +341,10 @@ def build_torchrun_command(n, argv, *, torchrun="torchrun", env_forward=(), sock
         values = {**values, "GLOO_SOCKET_IFNAME": socket_ifname,
                   "NCCL_SOCKET_IFNAME": socket_ifname}
     prefix = ["env", *(f"{name}={value}" for name, value in values.items())] if values else []
-    return prefix + [torchrun, "--standalone", "--nproc-per-node", str(n), "--no-python",
-                     *argv]
+    if nodes is None:
+        where = ["--standalone"]
+    else:
+        count, address, port = nodes
+        where = ["--nnodes", str(count), "--master-addr", str(address), "--master-port",
+                 str(port)]
+    return prefix + [torchrun, *where, "--nproc-per-node", str(n), "--no-python", *argv]

@@ -34,7 +34,7 @@ turns into the node's name.
 import ipaddress
 import re
 
-from .mpi import OPENMPI, build_mpirun_command
+from .mpi import OPENMPI, build_mpirun_command, build_torchrun_command
 from .testbed import TOPOLOGIES, NamespaceBed, TestbedError, _run, format_rate, tbf_command
 
 __all__ = ["NodeTestbed", "parse_daemon_failure", "describe_daemon_failure"]
@@ -50,6 +50,8 @@ SHARED_QUEUE = "ifb0"
 #   fills the peer's shaped uplink, once per ring step; an 8-node ring went from 64% to 89%.
 #   (4 MiB helped 8 nodes as much but cost 2 nodes 99% -> 75%: one 3 MiB eager fragment per
 #   direction, so the two connections no longer share the load.)
+# torchrun's static rendezvous (its TCPStore) on node 0; the port is free in a fresh namespace.
+TORCHRUN_PORT = 29500
 TCP_SETTINGS = {"btl_tcp_links": "2", "btl_tcp_eager_limit": str(1 << 20),
                 "btl_tcp_rndv_eager_limit": str(1 << 20), "btl_tcp_max_send_size": str(1 << 20)}
 
@@ -83,6 +85,7 @@ class NodeTestbed(NamespaceBed):
         self.hosts = [f"node{i}" for i in range(nodes)]
         self.addresses = [str(NODE_SUBNET[i + 1]) for i in range(nodes)]
         self.agent = self.workdir / "rsh-agent"
+        self.torchrun_node = self.workdir / "torchrun-node"
         self._hostfiles = {}  # path -> text, written on entry (commands are built before it)
 
     @property
@@ -151,8 +154,10 @@ class NodeTestbed(NamespaceBed):
 
     def _prepare(self):
         self.workdir.mkdir(mode=0o700)
-        self.agent.write_text(self.agent_script())
-        self.agent.chmod(0o700)
+        for path, text in ((self.agent, self.agent_script()),
+                           (self.torchrun_node, self.torchrun_node_script())):
+            path.write_text(text)
+            path.chmod(0o700)
         for path, text in self._hostfiles.items():
             path.write_text(text)
 
@@ -182,6 +187,34 @@ case "$host" in
 esac
 exec ip netns exec "$netns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
 """
+
+    def torchrun_node_script(self):
+        """What :meth:`torchrun_command` has ``mpirun`` start on each node: that node's
+        ``torchrun``, its node rank being the launching rank's."""
+        return f"""#!/bin/sh
+# One node's torchrun of a torchrun job on the pacmpi node test bed {self.name}: mpirun starts
+# this once per node (rank R on node R), and torchrun reads its node rank from PET_NODE_RANK.
+# The workers are no MPI processes: Open MPI's and PMIx's variables are dropped, so that a
+# worker which loads MPI starts as a singleton instead of claiming this launcher's rank.
+export PET_NODE_RANK="$OMPI_COMM_WORLD_RANK"
+for name in $(env | sed -n 's/^\\(\\(OMPI\\|PMIX\\|PRTE\\)_[A-Za-z0-9_]*\\)=.*/\\1/p'); do
+  unset "$name"
+done
+exec "$@"
+"""
+
+    def torchrun_command(self, flavor, n, argv, *, torchrun="torchrun", env_forward=(),
+                         **options):
+        """A ``torchrun`` job of ``n`` ranks on the nodes (run it as is, from the host):
+        Open MPI's ``mpirun`` (:meth:`mpirun_command`, one rank per node) starts one
+        ``torchrun --nnodes K --nproc-per-node n/K`` per node in the node's namespace, with
+        the static rendezvous on node 0 and gloo pinned to the node's link, as on K real
+        hosts; ``options`` as for :meth:`mpirun_command`."""
+        inner = build_torchrun_command(self.ranks_per_node(n), argv, torchrun=torchrun,
+                                       env_forward=env_forward, socket_ifname=NODE_INTERFACE,
+                                       nodes=(self.nodes, self.addresses[0], TORCHRUN_PORT))
+        return self.mpirun_command(flavor, self.nodes, [str(self.torchrun_node), *inner],
+                                   **options)
 
     def wrap(self, cmd, node=0):
         """Return ``cmd`` prefixed so that it runs on ``node`` (its namespace and host name)."""
@@ -226,18 +259,27 @@ exec ip netns exec "$netns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1
             flavor, n, argv, hostfile=self.hostfile(n), tcp_only_interface=str(NODE_SUBNET),
             bind_to="none", extra_mca=mca, **options))
 
-    def notes(self, n):
-        """What the launch adds, in words (shown by ``--dry-run``)."""
+    def notes(self, n, torchrun=False):
+        """What the launch adds, in words (shown by ``--dry-run``); ``torchrun``: a
+        :meth:`torchrun_command` job (``mpirun`` then starts one launcher per node)."""
         per_node = self.ranks_per_node(n)
-        return [f"{self.nodes} nodes x {per_node} ranks, {self.topology} topology at "
-                f"{format_rate(self.rate_bps)} per link" if self.topology == "star" else
-                f"{self.nodes} nodes x {per_node} ranks, {self.topology} topology: one "
-                f"{format_rate(self.rate_bps)} queue for all traffic",
-                f"host file {self.hostfile(n)}: "
-                + ", ".join(f"{host} slots={per_node} ({address})"
-                            for host, address in zip(self.hosts, self.addresses)),
-                f"plm_rsh_agent {self.agent}: runs each node's Open MPI daemon in its namespace "
-                "(ip netns exec NODE_NAMESPACE unshare --uts ...)"]
+        launchers = self.nodes if torchrun else n
+        slots = launchers // self.nodes
+        notes = [f"{self.nodes} nodes x {per_node} ranks, {self.topology} topology at "
+                 f"{format_rate(self.rate_bps)} per link" if self.topology == "star" else
+                 f"{self.nodes} nodes x {per_node} ranks, {self.topology} topology: one "
+                 f"{format_rate(self.rate_bps)} queue for all traffic",
+                 f"host file {self.hostfile(launchers)}: "
+                 + ", ".join(f"{host} slots={slots} ({address})"
+                             for host, address in zip(self.hosts, self.addresses)),
+                 f"plm_rsh_agent {self.agent}: runs each node's Open MPI daemon in its namespace "
+                 "(ip netns exec NODE_NAMESPACE unshare --uts ...)"]
+        if torchrun:
+            notes.append(f"{self.torchrun_node}: mpirun's rank I starts node I's torchrun "
+                         f"(--nnodes {self.nodes} --nproc-per-node {per_node}, static "
+                         f"rendezvous at {self.addresses[0]}:{TORCHRUN_PORT}, gloo on "
+                         f"{NODE_INTERFACE})")
+        return notes
 
     def check_isolation(self):
         """Check that every node has ``lo`` and its link and nothing else, and routes only to

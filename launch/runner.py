@@ -192,7 +192,7 @@ def parse_torchrun_failure(text):
     return RankFailure(rank=rank, exit_code=code, pid=pid, node=node)
 
 
-def _testbed(link, nodes, topology, mpirun, other_launcher, hostfile):
+def _testbed(link, nodes, topology, mpirun, horovod, hostfile):
     """The test bed ``run_command`` was asked for (``None``: the host's network), or ValueError."""
     if nodes is None:
         if topology is not None:
@@ -200,9 +200,9 @@ def _testbed(link, nodes, topology, mpirun, other_launcher, hostfile):
         return None if link in (None, "none") else LinkTestbed(link, mpirun=mpirun)
     if link in (None, "none"):
         raise ValueError("--nodes needs --link RATE: the rate of every node's link")
-    if other_launcher:
+    if horovod:
         raise ValueError("--nodes starts one Open MPI daemon per node with mpirun; "
-                         "not with --horovod or --torchrun")
+                         "not with --horovod (--torchrun runs one torchrun per node)")
     if hostfile:
         raise ValueError("--nodes writes its own host file; leave out --hostfile")
     return NodeTestbed(nodes, link, topology=topology or "star", mpirun=mpirun)
@@ -253,12 +253,16 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
                          (one node; see :func:`~.mpi.build_torchrun_command`), found as
                          ``find_launcher("torchrun")`` (``$PACMPI_TORCHRUN``, ...). On the
                          test bed torchrun and its ranks run in the namespace with gloo pinned
-                         to its shaped ``lo``; calibration still uses ``mpirun``.
-                         ``oversubscribe`` and ``tag_output`` do not apply; no ``hostfile``.
+                         to its shaped ``lo``; calibration still uses ``mpirun``. With
+                         ``nodes``, Open MPI's ``mpirun`` starts one torchrun per node
+                         (:meth:`~.nodes.NodeTestbed.torchrun_command`: a K-node job with
+                         gloo on the node links). ``oversubscribe`` does not apply, nor
+                         ``tag_output`` off the node test bed; no ``hostfile``.
       ``nodes``          K: run on K simulated nodes (:class:`~.nodes.NodeTestbed`), each its
                          own namespace and Open MPI daemon, with a ``link``-rate link to a
                          switch; ``n`` must be a multiple of K (rank r on node r // (n/K)).
-                         Open MPI's ``mpirun`` only; no ``hostfile`` (one is generated).
+                         Open MPI's ``mpirun`` (or ``torchrun`` started by it); no
+                         ``hostfile`` (one is generated).
       ``topology``       with ``nodes``: ``"star"`` (default; a private link per node) or
                          ``"shared"`` (one queue for all traffic).
       ``mpirun``         the MPI launcher, a path or a bare name; ``None``: ``$PACMPI_MPIRUN``,
@@ -297,8 +301,9 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
         raise ValueError("--hostfile is for mpirun; torchrun runs on one node here (multi-node: "
                          "start torchrun on every node with --rdzv-endpoint HOST:PORT)")
     other_launcher = horovod or torchrun
-    testbed = _testbed(link, nodes, topology, mpirun, other_launcher, hostfile)
-    flavor = (_mpi_flavor(mpirun, required=not other_launcher)
+    testbed = _testbed(link, nodes, topology, mpirun, horovod, hostfile)
+    on_nodes = isinstance(testbed, NodeTestbed)
+    flavor = (_mpi_flavor(mpirun, required=not other_launcher or on_nodes)
               if not other_launcher or testbed or allreduce == "ring" else None)
     pin, why = allreduce_pin(flavor, allreduce, testbed=testbed is not None, env_entries=env,
                              extra_mca=extra_mca)
@@ -314,7 +319,12 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
         if sep:
             child_env[name] = value
     notes = []
-    if torchrun:
+    if torchrun and on_nodes:
+        cmd = testbed.torchrun_command(flavor, n, argv, torchrun=find_launcher("torchrun"),
+                                       env_forward=env, tag_output=tag_output,
+                                       extra_mca=extra_mca)
+        notes += testbed.notes(n, torchrun=True)
+    elif torchrun:
         cmd = build_torchrun_command(n, argv, torchrun=find_launcher("torchrun"),
                                      env_forward=env,
                                      socket_ifname=INTERFACE if testbed else None)
@@ -331,16 +341,16 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
                        hostfile=hostfile, extra_mca=extra_mca)
         cmd = (testbed.mpirun_command(flavor, n, argv, **options) if testbed else
                build_mpirun_command(flavor, n, argv, **options))
-        if isinstance(testbed, NodeTestbed):
+        if on_nodes:
             notes += testbed.notes(n)
-    if testbed and other_launcher:
+    if testbed and other_launcher and not on_nodes:
         cmd = testbed.wrap(cmd)
     notes += [why] if why else []
     setup = testbed.setup_commands() if testbed else []
     node_table = ([{"host": host, "namespace": namespace, "address": address}
                    for host, namespace, address in zip(testbed.hosts, testbed.node_namespaces,
                                                        testbed.addresses)]
-                  if isinstance(testbed, NodeTestbed) else None)
+                  if on_nodes else None)
     if dry_run:
         return RunResult(0, cmd, setup_commands=setup, notes=notes, nodes=node_table)
 

@@ -175,6 +175,25 @@ def test_parse_ddp_method_labels_and_negative_controls():
             parse_method(bad)
 
 
+def test_parse_sharded_labels_and_negative_controls():
+    assert parse_method("pactrain-0.8-sharded") == MethodSpec(
+        "pactrain-0.8-sharded", "pactrain", 0.8, sharded=True)
+    assert parse_method("ddp-pactrain-0.8-sharded") == MethodSpec(
+        "ddp-pactrain-0.8-sharded", "pactrain", 0.8, backend="ddp", sharded=True)
+    assert parse_method("ddp-dense-sharded", 0.5) == MethodSpec(
+        "ddp-dense-sharded", "dense", 0.5, backend="ddp", sharded=True)
+    assert parse_method("pactrain-0.8").sharded is False
+    argv = _train_argv(dict(FULL), parse_method("ddp-dense-sharded"), None, "x.json", 0)
+    assert "--sharded" in argv and argv[argv.index("--backend") + 1] == "ddp"
+    assert "--sharded" not in _train_argv(dict(FULL), parse_method("ddp-dense"), None, "x.json",
+                                          0)
+    for bad in ("dense-sharded", "fp16-sharded", "ddp-fp16-sharded", "topk-1%-sharded",
+                "pactrain-ternary-0.8-sharded", "ddp-powersgd-4-sharded", "-sharded",
+                "pactrain-0.8-sharded-sharded", "dense-fp32-sharded"):
+        with pytest.raises(ValueError, match="unknown method label"):
+            parse_method(bad)
+
+
 def test_method_presets_expand():
     assert DDP_METHODS == ("ddp-dense", "ddp-fp16", "ddp-powersgd-1", "ddp-powersgd-4",
                            "ddp-pactrain-0.5", "ddp-pactrain-0.8", "ddp-pactrain-ternary-0.8")
@@ -395,6 +414,14 @@ def test_node_jobs_run_mpirun_from_node_0_with_the_dataset(monkeypatch):
     # without nodes nothing changes: the one shared link
     _, _, plain = job_command(FULL, parse_method("pactrain-0.8"), "100mbit", "p.pt", "o.json")
     assert "nodes" not in plain
+    # DDP rows run there too: mpirun starts one torchrun per node
+    argv, ranks, options = job_command(cfg, parse_method("ddp-pactrain-0.8-sharded"), "100mbit",
+                                       "p.pt", "o.json")
+    assert options == {"link": "100mbit", "oversubscribe": False, "torchrun": True,
+                       "nodes": 2, "topology": "star"}
+    cmd = run_command(argv, ranks, **options, dry_run=True).command
+    assert cmd[cmd.index("-n") + 1] == "2" and cmd[cmd.index("--nnodes") + 1] == "2"
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "--sharded" in cmd
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -402,28 +429,24 @@ def test_node_jobs_run_mpirun_from_node_0_with_the_dataset(monkeypatch):
     (dict(nodes=1), "--nodes must be an integer >= 2, got 1"),
     (dict(nodes=2, rates=("100mbit", "none")), "rate 'none'"),
     (dict(nodes=2, sweep_rate="none"), "rate 'none'"),
-    (dict(nodes=2, labels=("dense", "ddp-dense")), r"\['ddp-dense'\] run under torchrun"),
     (dict(nodes=None, topology="star"), "--topology star applies to --nodes K"),
 ])
 def test_node_options_are_refused_with_the_bad_value(kwargs, message):
     args = {"nodes": 2, "topology": None, "ranks": 4, "rates": ("100mbit",), "sweep_rate": None,
-            "labels": ("dense",), **kwargs}
-    specs = [parse_method(label) for label in args.pop("labels")]
+            **kwargs}
     with pytest.raises(ValueError, match=message):
-        check_nodes(**args, specs=specs)
+        check_nodes(**args)
 
 
 def test_node_options_reach_the_command_line_errors(capsys):
     for argv, message in [(["--nodes", "3"], "--ranks 4 is not a multiple of --nodes 3"),
-                          (["--nodes", "2", "--rates", "100mbit", "--no-sweep", "--methods",
-                            "dense-fp32,ddp"], "under torchrun"),
                           (["--nodes", "2", "--rates", "none"], "rate 'none'")]:
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
     # an unshaped sweep is fine when there is no sweep
-    check_nodes(2, "shared", 4, ("100mbit",), None, [parse_method("topk-1%")])
+    check_nodes(2, "shared", 4, ("100mbit",), None)
 
 
 def test_table_header_names_nodes_and_topology():

@@ -30,6 +30,7 @@ from test_launch import (
 
 PY = sys.executable
 PROBE = str(MPI_SCRIPTS / "nodes_probe.py")
+TORCH_PROBE = str(MPI_SCRIPTS / "torch_nodes_probe.py")
 _SKIP = netns_skip_reason()
 needs_testbed = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
@@ -121,7 +122,7 @@ def test_dry_run_shared_topology_uses_one_queue(capsys):
     (["-n", "2", "--nodes", "2", "--link", "none"], "--nodes needs --link RATE"),
     (["-n", "2", "--topology", "star", "--link", "1gbit"], "--topology applies to --nodes"),
     (["-n", "2", "--nodes", "2", "--link", "1gbit", "--horovod"],
-     "not with --horovod or --torchrun"),
+     "not with --horovod (--torchrun runs one torchrun per node)"),
     (["-n", "2", "--nodes", "2", "--link", "1gbit", "--hostfile", "h"], "leave out --hostfile"),
     (["-n", "2", "--nodes", "1", "--link", "1gbit"], "bad node count 1"),
 ])
@@ -136,6 +137,38 @@ def test_refuses_mpich(capsys, tmp_path):
     assert main(["-n", "2", "--nodes", "2", "--link", "1gbit", "--mpirun", str(fake),
                  "--dry-run", "--", "t"]) == 2
     assert "MPICH 4.1.2 is not Open MPI" in capsys.readouterr().err
+
+
+def test_torchrun_dry_run_starts_one_torchrun_per_node(capsys):
+    assert main(["-n", "4", "--nodes", "2", "--link", "100mbit", "--torchrun", "--dry-run",
+                 "--", "python", "t.py"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cmd = lines[-1].split()
+    mpirun = cmd.index(next(word for word in cmd if word.endswith("mpirun")))
+    assert cmd[mpirun + 1:mpirun + 3] == ["-n", "2"]  # one launcher per node
+    assert any(line.startswith("# note: host file ") and line.endswith(
+        "hostfile-1: node0 slots=1 (198.18.0.1), node1 slots=1 (198.18.0.2)") for line in lines)
+    node_script = next(word for word in cmd if word.endswith("/torchrun-node"))
+    torchrun = cmd.index(next(word for word in cmd if word.endswith("torchrun")))
+    assert cmd.index(node_script) < torchrun
+    assert "GLOO_SOCKET_IFNAME=eth0" in cmd[cmd.index(node_script):torchrun]
+    assert cmd[torchrun + 1:] == ["--nnodes", "2", "--master-addr", "198.18.0.1",
+                                  "--master-port", "29500", "--nproc-per-node", "2",
+                                  "--no-python", "python", "t.py"]
+    assert "--standalone" not in cmd
+
+
+def test_torchrun_node_script_takes_the_node_rank_and_drops_mpi_variables(tmp_path):
+    script = tmp_path / "torchrun-node"
+    script.write_text(NodeTestbed(2, "100mbit").torchrun_node_script())
+    script.chmod(0o700)
+    env = {"PATH": os.environ["PATH"], "OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1",
+           "PRTE_LAUNCHED": "1", "OMPI_MCA_x": "y", "KEEP": "me"}
+    done = subprocess.run([str(script), "env"], capture_output=True, text=True, env=env,
+                          check=True)
+    seen = dict(line.split("=", 1) for line in done.stdout.splitlines())
+    assert seen["PET_NODE_RANK"] == "1" and seen["KEEP"] == "me"
+    assert not [k for k in seen if k.startswith(("OMPI_", "PMIX_", "PRTE_"))], seen
 
 
 def test_not_root(monkeypatch):
@@ -206,6 +239,31 @@ def test_ranks_land_on_their_nodes_and_sum_exactly(nodes, per_node):
         assert (line["size"], line["local_size"], line["exact"]) == (n, per_node, True), line
         assert line["algorithm"] == "ring", line  # the pin reached the remote nodes' ranks
     assert [node["host"] for node in result.nodes] == [f"node{i}" for i in range(nodes)]
+    assert netns_names() <= before
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (4, 1)])
+def test_torchrun_workers_land_on_their_nodes_and_talk_over_the_links(nodes, per_node):
+    before = netns_names()
+    n = nodes * per_node
+    result = run_command([PY, TORCH_PROBE], n, nodes=nodes, link="1gbit", torchrun=True,
+                         calibrate=False, capture=True, echo=False, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted((json.loads(line.split("TORCHPROBE ", 1)[1])
+                    for line in result.stdout.splitlines() if "TORCHPROBE " in line),
+                   key=lambda line: line["rank"])
+    assert [line["rank"] for line in lines] == list(range(n)), result.stdout
+    for line in lines:
+        assert line["host"] == result.nodes[line["rank"] // per_node]["host"], line
+        assert (line["size"], line["local_rank"], line["exact"]) == (
+            n, line["rank"] % per_node, True), line
+        assert line["mpi_variables"] == [], line
+        # A ring all-reduce sends 2(n-1)/n of the payload per worker; at least the (n-1)/n of
+        # the reduce-scatter half must have left the node: the bytes crossed the shaped link.
+        assert line["link_bytes"] >= line["payload_bytes"] * (n - 1) / n, line
     assert netns_names() <= before
 
 

@@ -37,6 +37,12 @@ def test_parse_gradual():
     ({"method": "pactrain-ternary", "ternary_scale": "layer"},
      "ternary_scale must be one of .*got 'layer'"),
     ({"method": "pactrain-ternary", "ternary_scale": 0}, "positive int .*got 0"),
+    ({"method": "fp16", "sharded": True}, "--sharded shards .*not fp16 with --backend mpi"),
+    ({"method": "dense", "sharded": True}, "--sharded shards .*not dense with --backend mpi"),
+    ({"method": "pactrain-ternary", "backend": "ddp", "sharded": True},
+     "not pactrain-ternary with --backend ddp"),
+    ({"method": "pactrain", "sharded": True, "checkpoint": "c.pt"},
+     "--sharded does not support --checkpoint"),
 ])
 def test_config_validation(config, message):
     with pytest.raises(ValueError, match=message):

@@ -51,6 +51,28 @@ def test_other_methods_through_train_run():
         check(method, train.run(config, COLLECTIVES))
 
 
+def test_sharded_optimizers_train_as_the_replicated_ones():
+    """``--sharded`` under DDP: pactrain through sharded_hook, dense through torch's
+    ZeroRedundancyOptimizer, each ending where its replicated run ends (2 ranks: every sum is
+    one addition, exact in any order), with less Adam state on every rank."""
+    parser = train.build_parser()
+    for method in ("pactrain", "dense"):
+        args = ARGS + ["--method", method, "--optimizer", "adam", "--lr", "0.001"]
+        replicated = train.run(parser.parse_args(args), COLLECTIVES)
+        sharded = train.run(parser.parse_args(args + ["--sharded"]), COLLECTIVES)
+        check(f"{method}-sharded", sharded)
+        assert sharded["state_sha256"] == replicated["state_sha256"], method
+        full, mine = (r["optimizer_state_elements"] for r in (replicated, sharded))
+        assert full == 2 * replicated["parameters"], (method, full)
+        summary = sharded["summary"]
+        if method == "pactrain":  # the all-gather brings back what the reduce-scatter sent
+            assert summary["weight_bytes_per_step"] == summary["bytes_per_step"], summary
+            assert mine == 2 * -(-round(summary["bytes_per_step"]) // 4 // COLLECTIVES.size)
+        else:  # ZeRO: whole parameters per rank, its broadcasts carry every weight
+            assert summary["weight_bytes_per_step"] == summary["dense_bytes_per_step"]
+            assert mine < full, (mine, full)
+
+
 def test_bytes_per_step_in_expected_order():
     if COLLECTIVES.rank != 0:
         return  # the summaries are rank 0's

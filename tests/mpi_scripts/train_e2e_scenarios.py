@@ -63,6 +63,24 @@ def test_topk():
     check_method("topk")
 
 
+def test_sharded_pactrain_trains_as_replicated_pactrain():
+    """``--sharded``: ShardedOptimizer's reduce-scatter, Adam over this rank's shard of the
+    survivors and the all-gather end with replicated PacTrain's weights (2 ranks: every sum is
+    one addition, exact in any order) and keep a shard's worth of Adam state."""
+    config = dict(BASE, method="pactrain", ratio=0.5, optimizer="adam", lr=0.002)
+    replicated, sharded = run(config), run(dict(config, sharded=True))
+    same_everywhere(sharded)
+    assert sharded["state_sha256"] == replicated["state_sha256"]
+    assert sharded["final_accuracy"] == replicated["final_accuracy"] > 0.85
+    survivors = round(sharded["summary"]["weight_bytes_per_step"]) // 4  # the all-gather's
+    assert survivors == round(sharded["summary"]["bytes_per_step"]) // 4  # = reduce-scatter's
+    pruned = round(sharded["prunable_parameters"] * (1 - sharded["density"]))
+    assert survivors == sharded["parameters"] - pruned
+    # Adam's two moments: every parameter's replicated, half the survivors' (rounded up) here
+    assert replicated["optimizer_state_elements"] == 2 * replicated["parameters"]
+    assert sharded["optimizer_state_elements"] == 2 * -(-survivors // comm.size)
+
+
 def test_pactrain_and_topk_send_fewer_bytes_than_dense():
     missing = {"dense", "pactrain", "topk"} - set(BYTES_PER_STEP)
     if missing:
