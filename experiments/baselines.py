@@ -18,7 +18,6 @@ ran them, for raw PyTorch loops over mpi4py (the same hooks as
 
 Both need every parameter in one dtype and move their (small) payloads through host memory.
 """
-import math
 import time
 
 import numpy as np
@@ -29,25 +28,9 @@ from pacmpi.adapters.torch_sync import PacTrainSync, _HookedSync
 from pacmpi.costmodel import topk_count
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.methods import lookup_method
+from pacmpi.ternary import pack_codes, unpack_codes
 
 __all__ = ["DGCSync", "TernGradSync", "TopKSync", "make_baseline", "make_sync"]
-
-
-def pack_codes(q):
-    """Ternary values ``q`` (int8 in {-1, 0, 1}, 1-d) as 2-bit codes ``q + 1``, four per byte
-    (the first value in the lowest bits); the length is padded to a multiple of 4 with zeros."""
-    codes = np.zeros(4 * math.ceil(q.size / 4), dtype=np.uint8)
-    codes[:q.size] = q + 1
-    codes = codes.reshape(-1, 4)
-    return codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
-
-
-def unpack_codes(packed, size):
-    """Inverse of :func:`pack_codes` along the last axis: int8 values in {-1, 0, 1}, ``size``
-    per row."""
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)
-    codes = (packed[..., None] >> shifts) & 3
-    return codes.reshape(*packed.shape[:-1], -1)[..., :size].astype(np.int8) - 1
 
 
 def sparsify(accumulated, sizes, ks):

@@ -1170,12 +1170,14 @@ def main(argv=None):
                 reports.append(json.load(f))
         report = merge_reports(reports) if args.merge else _current_labels(reports[0])
         derive(report, args.target_fraction or report["config"]["target_fraction"])
-        report["plots"] = write_plots(report, args.out_dir,
-                                      prefix=Path(args.json or args.replot).stem)
+        report["plots"] = ([] if args.merge and args.no_plots else
+                           write_plots(report, args.out_dir,
+                                       prefix=Path(args.json or args.replot).stem))
         if args.json:
             harness.write_report(args.json, report, "pacmpi bench train")
         print(format_table(report))
-        print(f"wrote {len(report['plots'])} plots to {args.out_dir}")
+        if report["plots"]:
+            print(f"wrote {len(report['plots'])} plots to {args.out_dir}")
         return 0
     preset = QUICK if args.quick else TEXT if args.dataset == "codesearch" else FULL
     workload = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, default)

@@ -364,6 +364,8 @@ def _points(documents):
                 "topology": doc.get("topology", "shared"),
                 "method": lookup_method(row["method"], ALLREDUCE_METHODS + PEERS).name,
                 "density": row["density"], "values": values, "kept": kept, "buckets": buckets,
+                # a TopK or DGC row's density is its ratio; PowerSGD's rank is the run's
+                "powersgd_rank": doc.get("powersgd_rank", PEER_DEFAULTS["powersgd_rank"]),
                 "measured_s": row["time_avg_us"] / 1e6,
                 "codec_s": row["pack_unpack_us"] / 1e6, "verify_s": row["verify_us"] / 1e6,
                 "wire_bytes": row["wire_bytes_per_rank"]})
@@ -445,11 +447,13 @@ def calibrate(documents, *, host_cores=None, intra_Bps=DEFAULT_FIT["intra_Bps"])
 def _predict_point(fit, point, host_cores):
     if point["method"] in PEERS:  # its network and latency: the peers' codec is not modelled
         shapes = point["shapes"] or tensors(model=point["model"])[0]
+        knobs = {"powersgd_rank": point["powersgd_rank"]}
+        if point["method"] in ("topk", "dgc"):
+            knobs[f"{point['method']}_ratio"] = point["density"]
         return peer_step_seconds(fit, method=point["method"], ranks=point["ranks"],
                                  link_bps=parse_rate(point["link"]), shapes=shapes,
                                  buckets=point["buckets"], nodes=point["nodes"],
-                                 topology=point["topology"],
-                                 topk_ratio=point["density"])["seconds"]
+                                 topology=point["topology"], **knobs)["seconds"]
     return step_seconds(fit, ranks=point["ranks"], link_bps=parse_rate(point["link"]),
                         values=point["values"], kept=point["kept"], buckets=point["buckets"],
                         method=point["method"], nodes=point["nodes"],

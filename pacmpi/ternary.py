@@ -6,15 +6,18 @@ codes is at most ``2n``, so codes are stored as base-``(2n+1)`` digits of int64,
 int32 words: a word-wise SUM over ranks never carries from one digit into the next and decodes
 exactly. A value then costs ``word_bits / digits_per_word`` bits on the wire, within a fraction
 of a bit of the ``log2(2n+1)`` bits its sum needs.
+
+TernGrad itself all-gathers its codes instead, four 2-bit codes per byte (:func:`pack_codes`).
 """
 import math
 
 import numpy as np
 
+from .arrays import array_module
 from .hashing import splitmix64, splitmix64_int, uniform
 
-__all__ = ["TernaryCodec", "format_wire_bits", "stochastic_ternary", "ternary_key",
-           "wire_bits_table"]
+__all__ = ["TernaryCodec", "format_wire_bits", "pack_codes", "stochastic_ternary", "ternary_key",
+           "unpack_codes", "wire_bits_table"]
 
 _WORD_DTYPES = {"int64": np.int64, "int32": np.int32, "uint64": np.uint64}
 
@@ -123,6 +126,31 @@ def stochastic_ternary(xp, values, scale, key):
     codes = xp.sign(values).astype(xp.int8)
     codes *= keep
     return codes
+
+
+def pack_codes(q):
+    """Ternary values ``q`` (int8 in {-1, 0, 1}, 1-d NumPy or CuPy) as 2-bit codes ``q + 1``,
+    four per byte (the first value in the lowest bits); the length is padded to a multiple of 4
+    with zeros."""
+    xp = array_module(q)
+    codes = xp.zeros(4 * math.ceil(q.size / 4), dtype=xp.uint8)
+    codes[:q.size] = q + 1
+    codes = codes.reshape(-1, 4)
+    return codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+
+
+_BYTE_VALUES = ((np.arange(256, dtype=np.uint8)[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+                ).astype(np.int8) - 1
+"""The four values each byte of :func:`pack_codes` holds, by byte."""
+
+
+def unpack_codes(packed, size):
+    """Inverse of :func:`pack_codes` along the last axis: int8 values in {-1, 0, 1}, ``size``
+    per row."""
+    xp = array_module(packed)
+    # One table look-up per byte: a seventh of the time of shifting each code out (NumPy).
+    values = xp.take(xp.asarray(_BYTE_VALUES), packed, axis=0)
+    return xp.ascontiguousarray(values.reshape(*packed.shape[:-1], -1)[..., :size])
 
 
 def wire_bits_table(world_sizes=(2, 4, 8, 16, 64, 256, 1024), word_dtype="int64"):

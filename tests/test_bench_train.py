@@ -37,6 +37,7 @@ from pacmpi.experiments.bench_train import (
 )
 from pacmpi.launch import run_command
 
+from doc_snippets import REPO
 from mpi_util import netns_skip_reason
 
 PY = sys.executable
@@ -610,6 +611,19 @@ def test_merge_joins_seeds_and_refuses_duplicates_and_other_workloads():
     a["config"]["dataset"] = "digits32"
     with pytest.raises(ValueError, match="workload differs in \\['dataset'\\]"):
         merge_reports([a, old])
+
+
+def test_merge_command_writes_plots_only_when_asked(tmp_path):
+    # two recorded runs of one workload with other methods, as the README merges them
+    paths = ",".join(str(REPO / "results" / f"bench_text_curves_{x}.json") for x in "ac")
+    merged, plots = tmp_path / "merged.json", tmp_path / "plots"
+    args = ["--merge", paths, "--json", str(merged), "--out-dir", str(plots)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args + ["--no-plots"]) == 0
+        assert json.loads(merged.read_text())["plots"] == [] and not plots.exists()
+        assert main(args) == 0
+    names = [p.name for p in plots.iterdir()]
+    assert names and all(name.startswith("merged_") for name in names), names
 
 
 @pytest.fixture(scope="module")

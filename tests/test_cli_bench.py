@@ -8,10 +8,14 @@ import sys
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
-from pacmpi.bench.allreduce import BENCH_METHODS, _count_wrong
+from pacmpi import MPICollectives
+from pacmpi.bench.allreduce import BENCH_METHODS, _bench_one, _count_wrong, run
+from pacmpi.buckets import BucketLayout
 from pacmpi.cli import GROUP, commands
-from pacmpi.methods import ALLREDUCE_METHODS
+from pacmpi.costmodel import PEER_DEFAULTS, PEERS, _peer_traffic, powersgd_values
+from pacmpi.methods import ALLREDUCE_METHODS, METHODS
 from pacmpi.units import parse_size
 
 from mpi_util import run_mpi
@@ -131,23 +135,104 @@ def test_validator_counts_wrong_elements_negative_control():
     assert _count_wrong("pactrain-ternary", lattice, reference, mask, 0.5, 2) == 0
     off = np.array([0.7, -3.0, 0.5, 1.0])  # off-lattice, out of range, pruned non-zero
     assert _count_wrong("pactrain-ternary", off, reference, mask, 0.5, 2) == 3
+    for peer in PEERS:
+        assert _count_wrong(peer, corrupted, reference, mask, 1.0, 2) == 1
+    # PowerSGD's approximations: within their tolerance, not beyond it, and a NaN never.
+    tolerance = np.array([0.0, 0.0, 1e-3, 1e-3])
+    close = reference + np.array([0.0, 0.0, 1e-4, -1e-4])
+    assert _count_wrong("powersgd", close, reference, mask, 1.0, 2, tolerance) == 0
+    far = reference + np.array([0.0, 1e-4, 1e-2, np.nan])
+    assert _count_wrong("powersgd", far, reference, mask, 1.0, 2, tolerance) == 3
+
+
+class CorruptingCollectives(MPICollectives):
+    """Adds 1 to the first value of every float32 or uint8 payload once it has arrived: what
+    the peers send (values, codes, scales, factors), not the benchmark's own float64 and int64
+    bookkeeping (barriers, references, counts)."""
+
+    def allreduce(self, buf, op="sum", name=None):
+        super().allreduce(buf, op, name)
+        self._corrupt(buf)
+
+    def allgather(self, buf, counts, name=None):
+        super().allgather(buf, counts, name)
+        self._corrupt(buf)
+
+    @staticmethod
+    def _corrupt(buf):
+        if buf.dtype in (np.float32, np.uint8) and buf.size:
+            buf[0] += 1
+
+
+# A conv kernel and a matrix PowerSGD compresses, a matrix it would not shrink, vectors.
+PEER_SHAPES = [(16, 8, 3, 3), (12,), (8, 8), (40, 300)]
+
+
+@pytest.mark.parametrize("method", PEERS)
+def test_peer_validation_counts_a_corrupted_payload(method):
+    layout = BucketLayout(PEER_SHAPES, [np.float32] * len(PEER_SHAPES), 16 << 10)
+    mask = np.ones(sum(math.prod(s) for s in PEER_SHAPES), dtype=bool)
+    rows = {kind: _bench_one(kind(comm=MPI.COMM_SELF), method, layout, mask, 1.0, 2, 1, 0, np)
+            for kind in (MPICollectives, CorruptingCollectives)}
+    assert rows[MPICollectives]["wrong"] == 0
+    assert rows[CorruptingCollectives]["wrong"] > 0
+    assert rows[MPICollectives]["wire_bytes_per_rank"] == _peer_traffic(
+        method, PEER_SHAPES, len(layout.buckets), **PEER_DEFAULTS)[2]
+
+
+@pytest.mark.parametrize("knob, value, message", [
+    ("topk_ratio", 0, "topk_ratio must be in \\(0, 1\\], got 0"),
+    ("dgc_ratio", 0, "dgc_ratio must be in \\(0, 1\\], got 0"),
+    ("dgc_ratio", 1.5, "dgc_ratio must be in \\(0, 1\\], got 1.5"),
+    ("powersgd_rank", 0, "powersgd_rank must be an integer >= 1, got 0")])
+def test_bench_allreduce_rejects_bad_knobs_naming_them(knob, value, message):
+    with pytest.raises(ValueError, match=message):
+        run([1024], [1.0], ["dense"], **{knob: value})
+
+
+def test_bench_allreduce_powersgd_needs_a_model():
+    with pytest.raises(ValueError, match="powersgd compresses matrices: give a model"):
+        run([1024], [1.0], ["dense", "powersgd"])
+
+
+def test_bench_allreduce_command_checks_its_knobs():
+    done = pacmpi_cli("bench", "allreduce", "--sizes", "4K", "--methods", "dgc",
+                      "--dgc-ratio", "1.5")
+    assert done.returncode == 1 and "dgc_ratio must be in (0, 1], got 1.5" in done.stderr
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_bench_allreduce_validates_every_method(ranks, tmp_path):
-    out = tmp_path / "bench.json"
-    result = run_mpi("bench_allreduce_small.py", ranks, out, timeout=180)
+    out, tensors = tmp_path / "bench.json", tmp_path / "tensors.json"
+    result = run_mpi("bench_allreduce_small.py", ranks, out, tensors, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert {r["method"] for r in rows} == set(BENCH_METHODS) == set(ALLREDUCE_METHODS) | {"topk"}
-    # TopK's sum is checked against every rank's own top 1% added up: #wrong counts the
-    # all-gathered exchange too.
+    assert set(BENCH_METHODS) == set(METHODS) == set(ALLREDUCE_METHODS) | set(PEERS)
+    assert {r["method"] for r in rows} == set(BENCH_METHODS) - {"powersgd"}
+    # The peers' sums are checked against every rank's own selection (TopK, DGC) or codes
+    # (TernGrad) added up: #wrong counts the all-gathered exchange too.
     assert all(r["wrong"] == 0 for r in rows)
+    knobs = {name: report[name] for name in PEER_DEFAULTS}
     for r in (r for r in rows if r["method"] == "topk"):
         k = math.ceil(0.01 * r["count"])
         assert (r["density"], r["kept"], r["wire_bytes_per_rank"]) == (0.01, k, 12 * k)
+    for r in (r for r in rows if r["method"] in PEERS):  # a --sizes buffer is one tensor
+        assert r["wire_bytes_per_rank"] == _peer_traffic(r["method"], [(r["count"],)],
+                                                         r["buckets"], **knobs)[2]
+    # On a model's kinds of tensor, in four buckets, PowerSGD included.
+    shaped = json.loads(tensors.read_text())
+    shapes = [tuple(s) for s in shaped["shapes"]]
+    assert shaped["buckets"] == 4
+    assert [r["method"] for r in shaped["rows"]] == ["topk", "dgc", "terngrad", "powersgd"]
+    for r in shaped["rows"]:
+        assert r["wrong"] == 0, r
+        assert r["wire_bytes_per_rank"] == _peer_traffic(r["method"], shapes, shaped["buckets"],
+                                                         **shaped["knobs"])[2], r
+        assert r["wire_bytes_per_rank"] < r["size_bytes"] / 3
+    powersgd = shaped["rows"][-1]
+    assert powersgd["kept"] == powersgd_values(shapes, 4) < powersgd["count"]
     assert "busbw" in result.stdout and "#wrong" in result.stdout
     sparse = {r["method"]: r for r in rows if r["density"] == 0.2 and r["count"] == 1 << 18}
     dense = next(r for r in rows if r["method"] == "dense" and r["count"] == 1 << 18)

@@ -12,12 +12,44 @@ pass can count wrong elements exactly; sizes are dense-equivalent float32 bytes.
 the reducer's ``bucket_bytes`` (25 MiB, like DDP) filled in gradient-ready (reverse) order; the
 dense baselines all-reduce the same buckets, and fp16's "codec" is its two casts.
 
-``topk`` is the all-gather peer as ``TopKSync`` runs it: one top-k of the whole gradient
-(``--topk-ratio`` of its values), whose float32 values and int64 positions every rank
-all-gathers and adds up (its "codec": the selection and the scatter-add); its row's density is
-the ratio. It runs once per size, like the dense baselines.
+The peers run as their baselines do (``experiments/baselines.py``, torch's ``powerSGD_hook``),
+on NumPy/CuPy arrays, once per size like the dense baselines; a peer's "codec" is everything but
+its collectives:
+
+- ``topk`` (``TopKSync``): one top-k of the whole gradient (``--topk-ratio`` of its values),
+  whose int64 positions and float32 values every rank all-gathers (two calls) and adds up;
+- ``dgc`` (``DGCSync``): the same per tensor, ``--dgc-ratio`` of each (at least one value);
+- ``terngrad`` (``TernGradSync``, without its clipping, which changes no byte): each tensor
+  stochastically ternarized at its own scale ``max |g|``; the 2-bit codes, four per byte, and
+  a float32 scale per tensor all-gathered (two calls); every rank decodes every rank's codes;
+- ``powersgd`` (``powerSGD_hook`` of rank ``--powersgd-rank``): per fusion bucket, the tensors
+  that compression would not shrink all-reduced whole; each other gradient ``M`` (an ``n x m``
+  matrix, ``n`` its first dimension) gives ``P = M Q`` (``Q`` warm-started from the previous
+  call; random on the first), ``P`` is all-reduced and orthonormalized (QR), ``Q = M^T P``
+  all-reduced, and ``M`` becomes ``P Q^T``: three all-reduces per bucket. It needs ``--model``:
+  a ``--sizes`` buffer is one vector, which the hook sends uncompressed (the cost model refuses
+  PowerSGD for a byte count too).
+
+A ``--sizes`` buffer is one tensor (one DGC top-k, one TernGrad scale). The results are sums,
+as in the other rows, and no peer keeps state between calls beyond PowerSGD's warm start (no
+error feedback, no DGC momentum), so every timed call reduces the same gradients. A peer's
+``dens`` is its ratio (TopK, DGC), 1 (TernGrad: every value, at 2 bits) or the share of the
+values it sends (PowerSGD); its wire bytes are those :func:`pacmpi.costmodel.peer_step_seconds`
+counts for the same tensors.
+
+Validation of the peers: TopK's and DGC's result must be the exact sum of every rank's selected
+pairs, TernGrad's the exact sum of every rank's scale times its codes, redrawn from the same
+keys (the gradients are integers, so nothing rounds); PowerSGD's whole tensors must be the
+exact sum and its approximations the float64 projection of the summed gradient ``M`` onto the
+span of ``M Q``, ``Q`` the Qs the last call started from (all-reduces are sums, so that is what
+``P Q^T`` was), within 1e-4 of each matrix's largest summed value: float32 products, sums and
+QR against float64 ones (on ResNet-50's, VGG19's, BERT-base's and GPT-2's tensors at 2 ranks
+they agree to 4e-7 of it), while a corrupted payload is off by its own size. PowerSGD's
+products run on NumPy's BLAS: where ranks share cores, give each one thread (``mpirun -x
+OMP_NUM_THREADS=1``), or their threads contend.
 """
 import argparse
+import math
 import time
 
 import numpy as np
@@ -25,25 +57,44 @@ import numpy as np
 from .. import kernels
 from ..arrays import to_host
 from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
-from ..collectives import allreduce_algorithm, default_collectives
-from ..costmodel import PEER_DEFAULTS, topk_count
+from ..collectives import allreduce_algorithm, block_bounds, default_collectives
+from ..costmodel import PEER_DEFAULTS, _check_int, powersgd_values, topk_count
 from ..hierarchy import HierarchicalCollectives
 from ..methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from ..reducer import PacTrainReducer
-from ..ternary import format_wire_bits, wire_bits_table
+from ..ternary import (
+    format_wire_bits,
+    pack_codes,
+    stochastic_ternary,
+    ternary_key,
+    unpack_codes,
+    wire_bits_table,
+)
 from ..units import parse_size
 from . import harness
 from .models import MODELS, magnitude_mask, model_params, random_weights
 
 __all__ = ["BENCH_METHODS", "run", "format_table", "main"]
 
-BENCH_METHODS = ALLREDUCE_METHODS + ("topk",)
-"""What this benchmark runs: the engine's all-reduce methods and TopK's all-gather."""
+BENCH_METHODS = tuple(METHODS)
+"""What this benchmark runs: the engine's all-reduce methods and the peers."""
+
+POWERSGD_TOLERANCE = 1e-4
+"""How far PowerSGD's approximations may be from the float64 replay, in units of each matrix's
+largest summed gradient (see the module docstring)."""
+
+
+def _bounds(shapes):
+    """``(start, stop)`` of each tensor of ``shapes`` in their flat concatenation."""
+    return block_bounds([math.prod(s) for s in shapes])
 
 
 def _views(flat, shapes):
-    bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
-    return [flat[a:b].reshape(s) for a, b, s in zip(bounds[:-1], bounds[1:], shapes)]
+    return [flat[a:b].reshape(s) for (a, b), s in zip(_bounds(shapes), shapes)]
+
+
+def _shapes(layout):
+    return [m.shape for bucket in layout.buckets for m in bucket.members]
 
 
 def _dense(collectives, wire_dtype, layout, xp):
@@ -74,7 +125,7 @@ def _dense(collectives, wire_dtype, layout, xp):
 
 
 def _packed(collectives, mask, quantize, layout):
-    shapes = [m.shape for bucket in layout.buckets for m in bucket.members]
+    shapes = _shapes(layout)
     reducer = PacTrainReducer(_views(mask, shapes), collectives=collectives, quantize=quantize,
                               average=False, stable_steps=0, error_feedback=False,
                               bucket_bytes=layout.bucket_bytes)
@@ -88,14 +139,27 @@ def _packed(collectives, mask, quantize, layout):
     return reduce
 
 
-def _topk_select(xp, flat, k):
-    """Positions (int64) and values of ``flat``'s ``k`` largest magnitudes."""
-    positions = xp.argpartition(xp.abs(flat), flat.size - k)[flat.size - k:].astype(np.int64)
-    return positions, flat[positions]
+def _top_positions(xp, flat, k):
+    """Positions (int64) of ``flat``'s ``k`` largest magnitudes."""
+    return xp.argpartition(xp.abs(flat), flat.size - k)[flat.size - k:].astype(np.int64)
 
 
-def _topk(collectives, ratio, count, xp):
-    world, k = collectives.size, topk_count(ratio, count)
+def _selection(method, shapes, knobs, xp):
+    """``(k, select)`` of TopK or DGC: ``select(flat)`` gives this rank's ``k`` positions, of
+    the whole gradient (TopK) or of each tensor (DGC, at least one each)."""
+    bounds = _bounds(shapes)
+    if method == "topk":
+        k = topk_count(knobs["topk_ratio"], bounds[-1][1])
+        return k, lambda flat: _top_positions(xp, flat, k)
+    ks = [topk_count(knobs["dgc_ratio"], b - a) for a, b in bounds]
+    return sum(ks), lambda flat: xp.concatenate(
+        [_top_positions(xp, flat[a:b], k) + a for (a, b), k in zip(bounds, ks)])
+
+
+def _gathered_pairs(collectives, k, select, xp):
+    """TopK's and DGC's exchange: this rank's ``k`` (int64 position, float32 value) pairs
+    all-gathered, two calls, and every rank's added up in place of the gradient."""
+    world = collectives.size
     # Every rank's block, gathered in place: made once, not in the timed calls.
     all_values = xp.empty(k * world, dtype=np.float32)
     all_positions = xp.empty(k * world, dtype=np.int64)
@@ -103,8 +167,8 @@ def _topk(collectives, ratio, count, xp):
 
     def reduce(flat):
         started = time.perf_counter()
-        positions, values = _topk_select(xp, flat, k)
-        all_values[mine], all_positions[mine] = values, positions
+        positions = select(flat)
+        all_values[mine], all_positions[mine] = flat[positions], positions
         codec = time.perf_counter() - started
         collectives.allgather(all_values, [k] * world)
         collectives.allgather(all_positions, [k] * world)
@@ -119,9 +183,144 @@ def _topk(collectives, ratio, count, xp):
     return reduce
 
 
-def _make_reduce(method, collectives, mask, layout, xp, topk_ratio=PEER_DEFAULTS["topk_ratio"]):
-    if method == "topk":
-        return _topk(collectives, topk_ratio, mask.size, xp)
+def _terngrad_keys(seed, rank, tensors):
+    # The same keys on every call: the timed calls draw alike and the validation redraws them.
+    return [ternary_key(seed, 0, t, rank) for t in range(tensors)]
+
+
+def _ternarize(xp, flat, bounds, keys, codes):
+    """TernGrad's encoding of one rank's gradient: each tensor's scale ``max |g|`` (returned,
+    float32) and its values stochastically ternarized at that scale into ``codes`` (int8)."""
+    scales = xp.stack([xp.abs(flat[a:b]).max() for a, b in bounds]).astype(np.float32)
+    for (a, b), scale, key in zip(bounds, to_host(scales), keys):
+        codes[a:b] = stochastic_ternary(xp, flat[a:b], scale, key)
+    return scales
+
+
+def _terngrad(collectives, shapes, seed, xp):
+    bounds = _bounds(shapes)
+    count, tensors, world, rank = bounds[-1][1], len(bounds), collectives.size, collectives.rank
+    width = math.ceil(count / 4)
+    keys = _terngrad_keys(seed, rank, tensors)
+    codes = xp.empty(count, dtype=np.int8)
+    all_codes = xp.empty(width * world, dtype=np.uint8)
+    all_scales = xp.empty(tensors * world, dtype=np.float32)
+
+    def reduce(flat):
+        started = time.perf_counter()
+        all_scales[rank * tensors:(rank + 1) * tensors] = _ternarize(xp, flat, bounds, keys, codes)
+        all_codes[rank * width:(rank + 1) * width] = pack_codes(codes)
+        codec = time.perf_counter() - started
+        collectives.allgather(all_codes, [width] * world)
+        collectives.allgather(all_scales, [tensors] * world)
+        started = time.perf_counter()
+        flat[...] = 0
+        scales = to_host(all_scales).reshape(world, tensors)
+        for r in range(world):  # a rank at a time: all ranks' decoded values at once would not fit
+            values = unpack_codes(all_codes[r * width:(r + 1) * width], count)
+            for (a, b), scale in zip(bounds, scales[r]):
+                flat[a:b] += values[a:b] * scale
+        return width + 4 * tensors, codec + time.perf_counter() - started, 0.0
+    return reduce
+
+
+def _powersgd_split(members, rank):
+    """``(whole, matrices)`` of one bucket's ``members`` (``((start, stop), shape)`` pairs):
+    the ``(start, stop)`` of each tensor ``powerSGD_hook`` of ``rank`` sends whole, and ``(start,
+    n, m, r, p_offset, q_offset)`` of each it compresses as an ``n x m`` matrix of rank ``r``,
+    with its factors' offsets in the bucket's P and Q buffers."""
+    whole, matrices, p_size, q_size = [], [], 0, 0
+    for (a, b), shape in members:
+        # The cost model's count decides, so the two agree on what is sent.
+        if powersgd_values([shape], rank) == b - a:
+            whole.append((a, b))
+            continue
+        n = shape[0]
+        m = (b - a) // n
+        r = min(n, m, rank)
+        matrices.append((a, n, m, r, p_size, q_size))
+        p_size, q_size = p_size + n * r, q_size + m * r
+    return whole, matrices
+
+
+def _block(flat, start, rows, cols):
+    return flat[start:start + rows * cols].reshape(rows, cols)
+
+
+def _orthonormalize(xp, matrix):
+    # QR where torch's hook uses Gram-Schmidt below rank 3: the same span, so the same P Q^T.
+    matrix[...] = xp.linalg.qr(matrix)[0]
+
+
+def _factor_sizes(matrices):
+    return sum(n * r for _, n, _, r, _, _ in matrices), sum(m * r for _, _, m, r, _, _ in matrices)
+
+
+class _PowerSGD:
+    """``powerSGD_hook`` of ``rank`` over ``layout``'s buckets, without error feedback (see the
+    module docstring). ``start[b]``: the (orthonormal) Qs bucket ``b``'s last call started from,
+    which the validation pass replays."""
+
+    def __init__(self, collectives, layout, rank, seed, xp):
+        bounds = _bounds(_shapes(layout))
+        self.collectives, self.xp = collectives, xp
+        self.buckets = [_powersgd_split([(bounds[m.index], m.shape) for m in bucket.members],
+                                        rank) for bucket in layout.buckets]
+        self.p = [xp.empty(_factor_sizes(matrices)[0], dtype=np.float32)
+                  for _, matrices in self.buckets]
+        self.q = [None] * len(self.buckets)
+        self.start = [None] * len(self.buckets)
+        self._random = np.random.default_rng(seed)  # the same Qs on every rank, as torch's
+
+    def __call__(self, flat):
+        wire, codec = 0, 0.0
+        for b in range(len(self.buckets)):
+            sent, seconds = self._bucket(b, flat)
+            wire, codec = wire + sent, codec + seconds
+        return wire, codec, 0.0
+
+    def _bucket(self, b, flat):
+        xp, collectives, p = self.xp, self.collectives, self.p[b]
+        whole, matrices = self.buckets[b]
+        started = time.perf_counter()
+        q = self.q[b]  # the previous call's all-reduced Qs: the warm start
+        if q is None:
+            q = xp.asarray(self._random.standard_normal(_factor_sizes(matrices)[1],
+                                                        dtype=np.float32))
+        for a, n, m, r, po, qo in matrices:
+            _orthonormalize(xp, _block(q, qo, m, r))
+            xp.matmul(_block(flat, a, n, m), _block(q, qo, m, r), out=_block(p, po, n, r))
+        uncompressed = xp.concatenate([flat[a:z] for a, z in whole]
+                                      or [xp.empty(0, np.float32)])
+        codec = time.perf_counter() - started
+        collectives.allreduce(uncompressed, "sum")
+        collectives.allreduce(p, "sum")
+        started = time.perf_counter()
+        offset = 0
+        for a, z in whole:
+            flat[a:z] = uncompressed[offset:offset + z - a]
+            offset += z - a
+        new_q = xp.empty_like(q)
+        for a, n, m, r, po, qo in matrices:
+            _orthonormalize(xp, _block(p, po, n, r))
+            xp.matmul(_block(flat, a, n, m).T, _block(p, po, n, r), out=_block(new_q, qo, m, r))
+        codec += time.perf_counter() - started
+        collectives.allreduce(new_q, "sum")
+        started = time.perf_counter()
+        for a, n, m, r, po, qo in matrices:
+            xp.matmul(_block(p, po, n, r), _block(new_q, qo, m, r).T, out=_block(flat, a, n, m))
+        self.start[b], self.q[b] = q, new_q
+        wire = uncompressed.nbytes + p.nbytes + new_q.nbytes
+        return wire, codec + time.perf_counter() - started
+
+
+def _make_reduce(method, collectives, mask, layout, xp, knobs, seed):
+    if method in ("topk", "dgc"):
+        return _gathered_pairs(collectives, *_selection(method, _shapes(layout), knobs, xp), xp)
+    if method == "terngrad":
+        return _terngrad(collectives, _shapes(layout), seed, xp)
+    if method == "powersgd":
+        return _PowerSGD(collectives, layout, knobs["powersgd_rank"], seed, xp)
     spec = METHODS[method]
     if not spec.packed:
         return _dense(collectives, np.float16 if spec.quantize == "fp16" else np.float32,
@@ -129,9 +328,10 @@ def _make_reduce(method, collectives, mask, layout, xp, topk_ratio=PEER_DEFAULTS
     return _packed(collectives, mask, spec.quantize, layout)
 
 
-def _count_wrong(method, result, reference, mask, scale, world):
-    if method == "topk" or METHODS[method].quantize != "ternary":
-        return int(np.count_nonzero(result != reference))
+def _count_wrong(method, result, reference, mask, scale, world, tolerance=0.0):
+    if METHODS[method].quantize != "ternary":
+        # Not `> tolerance`: a NaN is wrong too.
+        return int(np.count_nonzero(~(np.abs(result - reference) <= tolerance)))
     lattice = result / scale if scale > 0 else result
     off_lattice = np.abs(lattice - np.rint(lattice)) > 1e-3 * world
     out_of_range = np.abs(np.rint(lattice)) > world
@@ -149,13 +349,60 @@ def _quantized(collectives, grads):
     return total
 
 
+def _contribution(method, grads, shapes, knobs, seed, rank):
+    """What this rank's gradients add to the exact result (float64): all of them, or what a
+    peer sends of them (TopK's and DGC's pairs; TernGrad's scales times its codes, drawn from
+    the keys the timed calls used, so each value is ``-s``, ``0`` or ``s``)."""
+    if method in ("topk", "dgc"):
+        positions = _selection(method, shapes, knobs, np)[1](grads)
+        sent = np.zeros(grads.size)
+        sent[positions] = grads[positions]
+        return sent
+    if method == "terngrad":
+        bounds = _bounds(shapes)
+        codes = np.empty(grads.size, dtype=np.int8)
+        scales = _ternarize(np, grads, bounds, _terngrad_keys(seed, rank, len(shapes)), codes)
+        return codes * np.repeat(scales.astype(np.float64), [b - a for a, b in bounds])
+    return grads.astype(np.float64)
+
+
+def _powersgd_reference(reference, powersgd):
+    """``reference`` (the exact sum, float64) with each compressed matrix ``M`` replaced, in
+    place, by the last call's approximation, and each value's tolerance (0 where the sum is
+    exact). The all-reduces are sums, so ``P`` was ``M Q`` (``Q`` the Qs the call started from)
+    and ``P Q^T`` is ``M`` projected onto the span of ``P``."""
+    tolerance = np.zeros(reference.size)
+    for (_, matrices), start in zip(powersgd.buckets, powersgd.start):
+        start = to_host(start).astype(np.float64)
+        for a, n, m, r, _, qo in matrices:
+            summed = _block(reference, a, n, m)
+            basis = np.linalg.qr(summed @ _block(start, qo, m, r))[0]
+            tolerance[a:a + n * m] = POWERSGD_TOLERANCE * np.abs(summed).max()
+            summed[...] = basis @ (basis.T @ summed)
+    return tolerance
+
+
+def _sent(method, density, mask, shapes, knobs):
+    """``(density, kept)`` of a row: the mask's, or a peer's ratio (TernGrad: 1; PowerSGD: the
+    share of the values it sends) and the values it sends."""
+    if method in ("topk", "dgc"):
+        return knobs[f"{method}_ratio"], _selection(method, shapes, knobs, np)[0]
+    if method == "terngrad":
+        return 1.0, mask.size
+    if method == "powersgd":
+        sent = powersgd_values(shapes, knobs["powersgd_rank"])
+        return sent / mask.size, sent
+    return density, int(np.count_nonzero(mask))
+
+
 def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, xp,
-               topk_ratio=PEER_DEFAULTS["topk_ratio"]):
+               knobs=PEER_DEFAULTS):
     world, rank = collectives.size, collectives.rank
     count = mask.size
+    shapes = _shapes(layout)
     grads = (np.random.default_rng(seed + 1 + rank).integers(-8, 9, size=count)
              .astype(np.float32) * mask)
-    reduce = _make_reduce(method, collectives, xp.asarray(mask), layout, xp, topk_ratio)
+    reduce = _make_reduce(method, collectives, xp.asarray(mask), layout, xp, knobs, seed)
     device_grads = xp.asarray(grads)
     work = xp.empty_like(device_grads)
 
@@ -165,19 +412,15 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
     timing = harness.time_op(lambda: reduce(work), iters, warmup=warmup, setup=refill,
                      collectives=collectives)
     wire, overhead, verify = (sum(part) for part in zip(*timing.results))
-    reference = grads.astype(np.float64)
-    if method == "topk":  # the sum of every rank's top-k, nothing else
-        k = topk_count(topk_ratio, count)
-        positions, values = _topk_select(np, grads, k)
-        reference = np.zeros(count)
-        reference[positions] = values
-        density = topk_ratio
+    reference = _contribution(method, grads, shapes, knobs, seed, rank)
     collectives.allreduce(reference, "sum")
+    tolerance = _powersgd_reference(reference, reduce) if method == "powersgd" else 0.0
     scale = np.array([np.abs(_quantized(collectives, grads)).max() if count else 0.0])
     collectives.allreduce(scale, "max")
-    wrong = np.array([_count_wrong(method, to_host(work), reference, mask, scale[0], world)],
-                     dtype=np.int64)
+    wrong = np.array([_count_wrong(method, to_host(work), reference, mask, scale[0], world,
+                                   tolerance)], dtype=np.int64)
     collectives.allreduce(wrong, "sum")
+    density, kept = _sent(method, density, mask, shapes, knobs)
     dense_bytes = count * 4
     algbw = dense_bytes / timing.mean / 1e9
     return {
@@ -187,8 +430,7 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
         "busbw_GBps": algbw * 2 * (world - 1) / world,
         "wire_bytes_per_rank": wire // iters, "pack_unpack_us": overhead / iters * 1e6,
         "verify_us": verify / iters * 1e6, "wrong": int(wrong[0]),
-        "buckets": len(layout.buckets),
-        "kept": k if method == "topk" else int(np.count_nonzero(mask)),
+        "buckets": len(layout.buckets), "kept": kept,
     }
 
 
@@ -210,18 +452,31 @@ def _cases(sizes, densities, model, bucket_bytes, seed):
         yield None, layout, [np.random.default_rng(seed).random(count) < d for d in densities]
 
 
+def _peer_knobs(topk_ratio, dgc_ratio, powersgd_rank):
+    """The peers' knobs, named as :data:`PEER_DEFAULTS` names them; ValueError names a bad one."""
+    for name, ratio in (("topk_ratio", topk_ratio), ("dgc_ratio", dgc_ratio)):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
+    return {"topk_ratio": topk_ratio, "dgc_ratio": dgc_ratio,
+            "powersgd_rank": _check_int("powersgd_rank", powersgd_rank)}
+
+
 def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, seed=0,
-        collectives=None, xp=np, model=None, topk_ratio=PEER_DEFAULTS["topk_ratio"]):
+        collectives=None, xp=np, model=None, topk_ratio=PEER_DEFAULTS["topk_ratio"],
+        dgc_ratio=PEER_DEFAULTS["dgc_ratio"], powersgd_rank=PEER_DEFAULTS["powersgd_rank"]):
     """Benchmark every (size, density, method); returns the rows (identical on all ranks).
 
     ``xp`` is ``numpy`` (host buffers) or ``cupy`` (device buffers, CUDA-aware MPI or host
     staging as the transport decides). ``model`` (a name from :data:`MODELS`) replaces the
-    sizes by that architecture's tensors and masks by global magnitude ones. ``topk_ratio``:
-    the share of values ``topk`` sends.
+    sizes by that architecture's tensors and masks by global magnitude ones; ``powersgd``
+    needs one. ``topk_ratio``, ``dgc_ratio``: the share of values ``topk`` sends, and ``dgc``
+    of each tensor; ``powersgd_rank``: the rank of PowerSGD's approximations.
     """
     methods = [lookup_method(m, BENCH_METHODS).name for m in methods]
-    if not 0 < topk_ratio <= 1:
-        raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
+    knobs = _peer_knobs(topk_ratio, dgc_ratio, powersgd_rank)
+    if "powersgd" in methods and model is None:
+        raise ValueError("powersgd compresses matrices: give a model (--model NAME); a --sizes "
+                         "buffer is one vector, which powerSGD_hook sends uncompressed")
     for density in densities:
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
@@ -235,9 +490,9 @@ def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, s
         for density, mask in zip(densities, masks):
             for method in methods:
                 if not METHODS[method].packed and density != densities[0]:
-                    continue  # the dense baselines (and TopK) do not depend on the density
+                    continue  # the dense baselines and the peers do not depend on the density
                 row = _bench_one(collectives, method, layout, mask, density, n_iters, warmup,
-                                 seed, xp, topk_ratio)
+                                 seed, xp, knobs)
                 rows.append(dict(row, device="cuda" if xp is not np else "cpu", model=label,
                                  cuda_aware=getattr(collectives, "cuda_aware", None),
                                  nodes=getattr(collectives, "nodes", None)))
@@ -267,9 +522,15 @@ def build_parser(parser=None):
                         help="comma-separated mask densities (default %(default)s)")
     parser.add_argument("--methods", default=",".join(ALLREDUCE_METHODS),
                         help="comma-separated subset of " + ", ".join(BENCH_METHODS)
-                        + " (default: all but topk)")
+                        + " (default: the all-reduce methods, not the peers; powersgd needs "
+                        "--model)")
     parser.add_argument("--topk-ratio", type=float, default=PEER_DEFAULTS["topk_ratio"],
                         help="the share of values topk sends (default %(default)s)")
+    parser.add_argument("--dgc-ratio", type=float, default=PEER_DEFAULTS["dgc_ratio"],
+                        help="the share of each tensor's values dgc sends, at least one "
+                             "(default %(default)s)")
+    parser.add_argument("--powersgd-rank", type=int, default=PEER_DEFAULTS["powersgd_rank"],
+                        help="the rank of powersgd's approximations (default %(default)s)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations (default: 3..20, fewer for large sizes)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -342,9 +603,10 @@ def main(argv=None):
     collectives = (HierarchicalCollectives(cuda_aware=cuda_aware,
                                            node_comm=_simulated_node(args.ranks_per_node))
                    if args.hierarchical else default_collectives(cuda_aware=cuda_aware))
+    knobs = {name: getattr(args, name) for name in PEER_DEFAULTS}
     rows = run(sizes, densities, methods, iters=args.iters, warmup=args.warmup,
                bucket_bytes=args.bucket_bytes, collectives=collectives, xp=xp, model=args.model,
-               topk_ratio=args.topk_ratio)
+               **knobs)
     wrong = sum(r["wrong"] for r in rows)
     if collectives.rank == 0:
         print(format_table(rows))
@@ -355,7 +617,7 @@ def main(argv=None):
                     "nodes": args.nodes or collectives.size,
                     "allreduce_algorithm": _algorithm()} if args.link else {}
             harness.write_report(args.json, {
-                "ranks": collectives.size, "model": args.model, **link, "rows": rows,
+                "ranks": collectives.size, "model": args.model, **link, **knobs, "rows": rows,
                 "ternary_bits": wire_bits_table(word_dtype=("int64", "uint64"))},
                 "pacmpi bench allreduce")
         if wrong:
