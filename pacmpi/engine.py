@@ -223,6 +223,47 @@ class _Residual:
         return kernels.expand(xp, full, self.layout.bits, self.layout.count)
 
 
+def _address(array):
+    """Where ``array``'s first element lies in memory (NumPy or CuPy)."""
+    return array.data.ptr if hasattr(array.data, "ptr") else array.__array_interface__["data"][0]
+
+
+def _joined(parts):
+    """One view over the 1-d ``parts`` if they lie back to back, in this order, in one 1-d
+    array (the pieces a group's residual was split into), else ``None``."""
+    base, first = parts[0].base, parts[0]
+    if base is None or base.ndim != 1 or not base.flags.c_contiguous:
+        return None
+    at = _address(first)
+    for part in parts:
+        if part.base is not base or part.dtype != base.dtype or _address(part) != at:
+            return None
+        at += part.size * base.itemsize
+    start = (_address(first) - _address(base)) // base.itemsize
+    return base[start:start + (at - _address(first)) // base.itemsize]
+
+
+def _reverse(values, chunk=1 << 16):
+    """Reverse 1-d ``values`` in place, a chunk from each end at a time (``values[:] =
+    values[::-1]`` would copy the whole array first)."""
+    n, half = values.size, values.size // 2
+    for i in range(0, half, chunk):
+        k = min(chunk, half - i)
+        head = values[i:i + k].copy()
+        values[i:i + k] = values[n - i - k:n - i][::-1]
+        values[n - i - k:n - i] = head[::-1]
+
+
+def _reverse_segments(values, sizes):
+    """Reverse the order of the segments of 1-d ``values`` (lengths ``sizes``, in order) in
+    place, each segment's values kept in their order."""
+    _reverse(values)
+    start = 0
+    for n in reversed(sizes):
+        _reverse(values[start:start + n])
+        start += n
+
+
 def _is_block(ternary_scale):
     return (isinstance(ternary_scale, (int, np.integer)) and not isinstance(ternary_scale, bool)
             and ternary_scale >= 1)
@@ -832,7 +873,8 @@ class StepEngine:
         the groups they were in before DDP rebuilt its buckets), which it replaces; None if
         none."""
         for key in [k for k in self._residuals if isinstance(k, tuple) and set(k) & set(slots)]:
-            for s, full in self._split_residual(key):  # views: copied once, into the group
+            key = self._reverse_for(key, slots)
+            for s, full in self._split_residual(key):  # views: joined or copied into the group
                 self._residuals[s] = _Residual(full, None)
             del self._residuals[key]
         if len(slots) == 1:
@@ -843,6 +885,17 @@ class StepEngine:
         found = [s for s in slots if s in self._residuals]
         if not found:
             return None
+        if len(found) == len(slots) and all(self._residuals[s].layout is None for s in slots):
+            # Members back to back in one array, in this order (the old group's, reversed in
+            # place by _reverse_for where DDP's rebuild reversed them): a slice of it, not a
+            # copy beside it (the DDP hook peaked at 1.9x the gradient bytes while the old
+            # array lived on).
+            joined = _joined([self._residuals[s].values for s in slots])
+            if joined is not None and array_module(joined) is xp:
+                for s in slots:
+                    del self._residuals[s]
+                entry = self._residuals[slots] = _Residual(joined, None)
+                return entry
         first = self._residuals[found[0]].values
         module, group = array_module(first), self._group(slots)
         full = module.zeros(group.size, dtype=first.dtype)
@@ -852,6 +905,20 @@ class StepEngine:
                 full[lo:lo + size] = entry.full(module, size)
         entry = self._residuals[slots] = _Residual(xp.asarray(full), None)
         return entry
+
+    def _reverse_for(self, key, slots):
+        """``key`` again, or its members reversed when ``slots`` are a run of them in reverse
+        order (DDP's first bucket holds the parameters in the model's order, its rebuilt ones in
+        the order backward made them ready, the reverse): the residual's segments are then
+        reversed in place, so the new groups can take slices of it."""
+        entry, back = self._residuals[key], tuple(reversed(slots))
+        runs = (key[i:i + len(slots)] for i in range(len(key) - len(slots) + 1))
+        if len(slots) < 2 or entry.layout is not None or back not in runs:
+            return key
+        _reverse_segments(entry.values, [self.buckets[s].size for s in key])
+        del self._residuals[key]
+        self._residuals[key[::-1]] = entry
+        return key[::-1]
 
     def _split_residual(self, key):
         """``(bucket, full-length residual view)`` of each member of group ``key``'s entry."""

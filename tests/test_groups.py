@@ -4,10 +4,12 @@ the DDP hook's masks laid out in one storage, on one process, against the bucket
 and the masked identity; the multi-rank checks are the DDP scenarios
 (tests/mpi_scripts/ddp_scenarios.py: equality with DDP's all-reduce at 2 and 4 ranks, a mask
 moved on one rank raising everywhere, resync)."""
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
@@ -115,15 +117,24 @@ def test_a_groups_positions_are_built_once_per_mask_change():
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(members=st.lists(member, min_size=1, max_size=8), dtype=st.sampled_from(DTYPES),
        error_feedback=st.booleans(), stable_steps=st.integers(0, 1),
-       regroup=st.booleans(), in_place=st.booleans(), seed=st.integers(0, 2**31),
+       regroup=st.sampled_from(["none", "split", "reverse"]), in_place=st.booleans(),
+       seed=st.integers(0, 2**31),
        ternary_scale=st.sampled_from(["tensor", 1, 3, 16]))
+# Sent dense when DDP rebuilds (nothing pruned), as the hook's first steps are: the group's
+# residual is then reversed in place and sliced, not copied.
+@example(members=[(5, None), (7, 1.0), (1, None), (9, None)], dtype="float32",
+         error_feedback=True, stable_steps=0, regroup="reverse", in_place=False, seed=1,
+         ternary_scale="tensor")
+@example(members=[(33, None), (2, None), (17, 1.0)], dtype="float64", error_feedback=True,
+         stable_steps=1, regroup="reverse", in_place=True, seed=2, ternary_scale=3)
 def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         route, members, dtype, error_feedback, stable_steps, regroup, in_place, seed,
         ternary_scale):
     """Ternary: each member its own scale, key and residual, so the group's words are its
     members' words back to back and its decode theirs, step after step, through a mask
     change, error feedback on and off, and the groups changing (DDP rebuilding its buckets:
-    ``regroup`` splits the group in two at step 2, the residuals following their buckets);
+    ``regroup`` splits the group in two at step 2, the residuals following their buckets, its
+    members in their order or, as DDP's rebuilt buckets take them, reversed);
     the checkpointed residuals are the buckets' own (zeros for one that never sent a value).
     The grouped engine agrees its first group's scales inside the verification (as the DDP
     hook does for its bucket 0), the other engine in an all-reduce of their own; with
@@ -143,29 +154,35 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
     for step in range(4):
         if step == 3 and masks[0] is not None:
             masks[0][:] = ~masks[0]
-        groups = [everything]
-        if regroup and step >= 2 and len(sizes) > 1:
-            groups = [everything[:len(sizes) // 2], everything[len(sizes) // 2:]]
+        groups, order = [everything], everything  # order: the grouped engine's flat layout
+        if regroup != "none" and step >= 2 and len(sizes) > 1:
+            order = everything[::-1] if regroup == "reverse" else everything
+            groups = [order[:len(sizes) // 2], order[len(sizes) // 2:]]
         grad = (rng.standard_normal(int(offsets[-1])) * 10.0).astype(dtype)
-        flat, each = grad.copy(), grad.copy()
+        each = grad.copy()
+        flat = np.concatenate([grad[offsets[b]:offsets[b + 1]] for b in order])
+        at = dict(zip(order, np.concatenate([[0], np.cumsum([sizes[b] for b in order])])))
+
+        def span(group):
+            return flat[at[group[0]]:at[group[-1]] + sizes[group[-1]]]
         first = groups[0]
-        grouped.begin_step(lambda: masks, scale_units=(first,), scale_flats=lambda: {
-            first: flat[offsets[first[0]]:offsets[first[-1] + 1]]})
+        grouped.begin_step(lambda: masks, scale_units=(first,),
+                           scale_flats=lambda: {first: span(first)})
         alone.begin_step(lambda: masks)
         for group in groups:
-            lo, hi = offsets[group[0]], offsets[group[-1] + 1]
-            grouped.agree_scales({group: flat[lo:hi]})
-            wire, ctx = grouped.encode(group, flat[lo:hi], in_place=in_place)
+            grouped.agree_scales({group: span(group)})
+            wire, ctx = grouped.encode(group, span(group), in_place=in_place)
             views = {b: each[offsets[b]:offsets[b + 1]] for b in group}
             alone.agree_scales(views)
             parts = [alone.encode(b, views[b]) + (b,) for b in group]
             # (A bucket that sends nothing sends its empty flat: not a word type to join.)
             sent = [w for w, _, _ in parts if w.size] or [wire[:0]]
             np.testing.assert_array_equal(_bits(wire), _bits(np.concatenate(sent)))
-            grouped.decode(wire, ctx, flat[lo:hi])
+            grouped.decode(wire, ctx, span(group))
             for w, c, b in parts:
                 alone.decode(w, c, views[b])
-        np.testing.assert_array_equal(_bits(flat), _bits(each))
+        back = np.concatenate([flat[at[b]:at[b] + sizes[b]] for b in everything])
+        np.testing.assert_array_equal(_bits(back), _bits(each))
         for engine in (grouped, alone):
             engine.end_step()
         if in_place:
@@ -181,6 +198,51 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
             kept = np.ones(sizes[b], bool) if masks[b] is None else masks[b]
             want = wanted.get(b, np.zeros(sizes[b], saved[b].dtype))
             np.testing.assert_array_equal(_bits(saved[b][kept]), _bits(want[kept]))
+
+
+def test_ddps_reversed_rebuild_slices_the_residual_instead_of_copying_it():
+    """DDP's first bucket holds every parameter in the model's order, its rebuilt buckets in
+    the reverse: the first group's residual is reversed in place and the new groups take
+    slices of it, so the rebuild allocates no second residual (the hook peaked at 1.9x the
+    gradient bytes), and the new groups send what the old path's copies sent."""
+    sizes = [1 << 18, 1000, 1 << 17, 7, 1 << 16]
+    everything = tuple(range(len(sizes)))
+    grads = [np.random.default_rng(s).standard_normal(sum(sizes)).astype(np.float32)
+             for s in range(3)]
+    options = dict(quantize="ternary", error_feedback=True, seed=3)
+    sliced, copied = _engine(sizes, "float32", **options), _engine(sizes, "float32", **options)
+    copied._reverse_for = lambda key, slots: key  # the old path: each new group copies
+    extra = {}
+    tracemalloc.start()
+    try:
+        for step, grad in enumerate(grads):
+            order = everything if step < 2 else everything[::-1]
+            groups = [order] if step < 2 else [order[:2], order[2:]]
+            flats = []
+            for engine in (sliced, copied):
+                flat = np.concatenate([grad[sum(sizes[:b]):sum(sizes[:b + 1])] for b in order])
+                before = tracemalloc.get_traced_memory()[0]
+                tracemalloc.reset_peak()
+                engine.begin_step(lambda: [None] * len(sizes))
+                lo = 0
+                for group in groups:
+                    hi = lo + sum(sizes[b] for b in group)
+                    engine.agree_scales({group: flat[lo:hi]})
+                    wire, ctx = engine.encode(group, flat[lo:hi], in_place=True)  # as the hook
+                    engine.decode(wire, ctx, flat[lo:hi])
+                    lo = hi
+                engine.end_step()
+                extra[step, engine is sliced] = (
+                    tracemalloc.get_traced_memory()[1] - before) / grad.nbytes
+                flats.append(flat)
+            np.testing.assert_array_equal(*flats)
+    finally:
+        tracemalloc.stop()
+    assert extra[2, True] < 0.5 < extra[2, False], extra  # the copies: a second residual
+    residuals = [e.values for e in sliced._residuals.values()]
+    assert len(residuals) == 2 and residuals[0].base is residuals[1].base is not None
+    for b, residual in sliced.state_dict()["residuals"].items():
+        np.testing.assert_array_equal(residual, copied.state_dict()["residuals"][b])
 
 
 class _Counting(MPICollectives):
