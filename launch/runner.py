@@ -170,6 +170,9 @@ _TORCHRUN_ROOT = re.compile(
     r"Root Cause \(first observed failure\):.*?host\s*:\s*(\S+)\s+rank\s*:\s*(\d+)"
     r".*?exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 _TORCHRUN_AGENT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+# Open MPI's --tag-output prefix, which each line of a torchrun started by mpirun (the node
+# test bed: a torchrun per node) carries.
+_MPI_TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>: ?", re.MULTILINE)
 
 
 def parse_torchrun_failure(text):
@@ -177,7 +180,7 @@ def parse_torchrun_failure(text):
     cause (global rank, signal or exit code, pid, host), else the agent's log line
     ``failed (exitcode: C) local_rank: L (pid: P)`` (a local rank: the same on one node),
     else ``None``."""
-    flat = " ".join(text.split())
+    flat = " ".join(_MPI_TAG.sub("", text).split())
     match = _TORCHRUN_ROOT.search(flat)
     if match:
         node, rank, code, pid = match.groups()

@@ -410,6 +410,12 @@ TORCHRUN_EXIT = """Root Cause (first observed failure):
     # The root cause wins over the ranks torchrun itself ended (SIGTERM); the global rank.
     (TORCHRUN_SIGNAL, RankFailure(rank=3, signal=9, pid=8248, node="node7")),
     (TORCHRUN_EXIT, RankFailure(rank=1, exit_code=5, pid=8300, node="localhost")),
+    # A torchrun per node started by mpirun (the node test bed): every line tagged; the
+    # agent's local rank (1) comes first in the text but the summary's global rank wins.
+    ("".join(f"[1,1]<stderr>: {line}\n" for line in (
+        "E1206 api.py:1002] failed (exitcode: 3) local_rank: 1 (pid: 10413) of binary: python"
+        + TORCHRUN_SIGNAL.replace("-9 (pid: 8248)", "3 (pid: 10413)")).splitlines()),
+     RankFailure(rank=3, exit_code=3, pid=10413, node="node7")),
     # Without the summary, the agent's log line (a local rank).
     (TORCHRUN_AGENT_LINE, RankFailure(rank=1, signal=9, pid=8248)),
     ("RuntimeError: oops\n", None),

