@@ -25,6 +25,20 @@ def index_dtype(size):
     return np.dtype(np.int32) if size <= np.iinfo(np.int32).max + 1 else np.dtype(np.int64)
 
 
+class _Section:
+    """Coordinates ``first`` up to ``last`` of a :class:`Bitmap`, as :meth:`Bitmap.joined`
+    reads a part."""
+
+    __slots__ = ("bitmap", "first", "last", "size", "count")
+
+    def __init__(self, bitmap, first, last, count):
+        self.bitmap, self.first, self.last = bitmap, first, last
+        self.size, self.count = last - first, count
+
+    def _chunks(self):
+        return self.bitmap._chunks(self.first, self.last)
+
+
 class Bitmap:
     """A flat boolean mask of ``size`` coordinates, ``count`` of them True, stored as ``bits``
     (``xp.packbits`` of the mask, on the mask's device)."""
@@ -90,13 +104,24 @@ class Bitmap:
                 xp.packbits(flat[start:stop]) != self.bits[start // 8:(stop + 7) // 8])
         return int(differ) == 0
 
-    def _chunks(self):
-        """``(start, stop, bools)`` of consecutive chunks of the mask."""
-        xp = self.xp
-        for start in range(0, self.size, CHUNK):
-            stop = min(start + CHUNK, self.size)
+    def _chunks(self, first=0, last=None):
+        """``(start, stop, bools)`` of consecutive chunks of the mask's coordinates ``first``
+        up to ``last`` (default: all), ``start`` and ``stop`` counted from ``first``."""
+        xp, last = self.xp, self.size if last is None else last
+        for start in range(first, last, CHUNK):
+            stop = min(start + CHUNK, last)
             bits = self.bits[start // 8:(stop + 7) // 8]
-            yield start, stop, xp.unpackbits(bits)[:stop - start].view(xp.bool_)
+            yield (start - first, stop - first,
+                   xp.unpackbits(bits)[start % 8:start % 8 + stop - start].view(xp.bool_))
+
+    def section(self, first, last):
+        """Coordinates ``first`` up to ``last`` as a mask of their own, or None when every one
+        of them is set (the layout of a stretch kept whole). Made a chunk at a time."""
+        count = np.diff(self.counts_before(np.array([first, last], dtype=np.int64)))[0]
+        if count == last - first:
+            return None
+        part = _Section(self, first, last, int(count))
+        return Bitmap.joined(self.xp, [part])
 
     def unpack(self):
         """The mask as a flat boolean array (a full-size copy: for tests and small masks)."""

@@ -126,14 +126,15 @@ class _Group:
     ``(bucket, start, stop, payload start)`` of the members sent dense with a mask to apply."""
 
     __slots__ = ("slots", "key", "states", "masked", "count", "packed", "size", "nbytes",
-                 "offsets", "step", "epoch", "table", "steady", "_positions", "_bitmap")
+                 "offsets", "step", "epoch", "table", "steady", "_positions", "_bitmap",
+                 "_kept")
 
     def __init__(self, slots, states, specs, key, step):
         sizes = [specs[s].size for s in slots]
         offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.slots, self.key, self.step, self.size = slots, key, step, int(offsets[-1])
         self.offsets, self.table = offsets, None  # table: the ternary SegmentTable, when asked
-        self.states, self._positions, self._bitmap = states, None, None
+        self.states, self._positions, self._bitmap, self._kept = states, None, None, None
         self.nbytes = sum(specs[s].size * specs[s].dtype.itemsize for s in slots)
         self.packed = sum(state.packed for state in states)
         counts = [state.survivors if state.packed else n for state, n in zip(states, sizes)]
@@ -181,6 +182,22 @@ class _Group:
                 for state, lo, hi in zip(self.states, self.offsets, self.offsets[1:])])
         return self._bitmap
 
+    def kept(self):
+        """This rank's survivors over the group's array while every member is sent dense and
+        some have a mask to apply (the coordinates whose gradient is not zeroed: what an
+        error-feedback residual needs to hold), else None."""
+        if self._kept is not None or self.packed or not self.masked:
+            return self._kept
+        if len(self.slots) == 1:
+            self._kept = self.states[0].mask
+            return self._kept
+        masked = {s for s, *_ in self.masked}
+        xp = next(state.mask.xp for state in self.states if state.mask is not None)
+        self._kept = Bitmap.joined(xp, [
+            state.mask if s in masked else int(hi - lo)
+            for s, state, lo, hi in zip(self.slots, self.states, self.offsets, self.offsets[1:])])
+        return self._kept
+
 
 class _Residual:
     """Error-feedback residual of one bucket or group, aligned with its payload: full length
@@ -197,21 +214,32 @@ class _Residual:
         """The residual laid out for ``layout`` (``None``: dense over ``size`` elements)."""
         if self.layout is layout:
             return self.values
+        if _same_layout(self.layout, layout):  # e.g. a mask checked dense, now packed
+            self.layout = layout
+            return self.values
         self.spare = None  # laid out for the old layout: freed before the new one is made
         # Full length: the values themselves when dense (the engine's own array, compacted in
         # place), else a new array; the old values go before the new ones are made.
         full, self.values = self.full(xp, size), None
         if layout is not None:
             kernels.compact(xp, full, layout.bits, layout.count)
-            try:
-                # NumPy, and no other reference or view (refcheck): cut in place by realloc,
-                # which keeps the front and unmaps the rest of a large block, so the
-                # survivors' residual never sits beside the full one (a peak of 1.6x the
-                # gradient bytes at density 0.5). Here, not in a helper: a second frame's
-                # reference would fail the check.
-                full.resize(layout.count)
-            except (AttributeError, ValueError):  # CuPy has no resize; a view: copy
-                full = full[:layout.count].copy()
+            if isinstance(full, np.ndarray) and full.base is not None:
+                # A slice of one array shared with other groups (DDP's rebuilt buckets): its
+                # survivors stay where they are until the step ends, when the engine moves
+                # every group's part of that array to its front and cuts it (_shrink_shared),
+                # so no group's survivors are copied beside the whole array (the hook peaked
+                # at 1.4x the gradient bytes at density 0.5).
+                full = full[:layout.count]
+            else:
+                try:
+                    # NumPy, and no other reference or view (refcheck): cut in place by
+                    # realloc, which keeps the front and unmaps the rest of a large block, so
+                    # the survivors' residual never sits beside the full one (a peak of 1.6x
+                    # the gradient bytes at density 0.5). Here, not in a helper: a second
+                    # frame's reference would fail the check.
+                    full.resize(layout.count)
+                except (AttributeError, ValueError):  # CuPy has no resize: copy
+                    full = full[:layout.count].copy()
         self.values, self.layout = full, layout
         return self.values
 
@@ -223,9 +251,27 @@ class _Residual:
         return kernels.expand(xp, full, self.layout.bits, self.layout.count)
 
 
+def _same_layout(a, b):
+    """Whether :class:`pacmpi.bitmaps.Bitmap` ``a`` and ``b`` hold the same coordinates."""
+    return a is not None and b is not None and a.size == b.size and a.count == b.count and \
+        bool((a.bits == b.bits).all())
+
+
 def _address(array):
     """Where ``array``'s first element lies in memory (NumPy or CuPy)."""
     return array.data.ptr if hasattr(array.data, "ptr") else array.__array_interface__["data"][0]
+
+
+def _move_forward(array, source, target, count):
+    """``array[target:target + count] = array[source:source + count]`` for ``target <=
+    source``, a chunk at a time from the front: no chunk overwrites one not yet moved, and
+    chunks no longer than the shift need no temporary (NumPy buffers overlapping copies)."""
+    if source == target:
+        return
+    chunk = min(CHUNK, max(source - target, 4096))
+    for lo in range(0, count, chunk):
+        n = min(chunk, count - lo)
+        array[target + lo:target + lo + n] = array[source + lo:source + lo + n]
 
 
 def _joined(parts):
@@ -460,8 +506,10 @@ class StepEngine:
         group = self._group_of(u)
         if group.table is None:
             digits = self.codec.digits_per_word if self.codec is not None else 1
+            kept = self._residual_layout(group) if self.error_feedback else None
             group.table = SegmentTable(self.segment_sizes(u), group.bitmap(), digits,
-                                       group.positions)
+                                       group.positions,
+                                       kept=None if kept is group.bitmap() else kept)
         return group.table
 
     def segment_sizes(self, u):
@@ -495,6 +543,7 @@ class StepEngine:
     def end_step(self):
         """The step's every bucket is decoded: count it and move on."""
         self._trim_scratch()
+        self._shrink_shared()
         # Groups not sent in this step (DDP rebuilt its buckets) let go of their positions.
         self._groups = {k: g for k, g in self._groups.items() if g.step == self.step}
         self.step += 1
@@ -847,25 +896,40 @@ class StepEngine:
             self.tracker.buckets[s].mask.zero_pruned(flat[lo:hi])
         return len(group.masked)
 
+    # A ternary bucket sent dense while its mask is checked keeps the residual of this rank's
+    # survivors only: the others' gradient is zeroed, so their residual stays 0 (kept, it
+    # made every coordinate's residual 1x the gradient bytes for those steps, the hook's
+    # and the reducer's peak). A subclass that quantizes other values (node sums, nonzero
+    # where this rank prunes) keeps the residual aligned with its payload.
+    _RESIDUAL_OF_SURVIVORS = True
+
+    def _residual_layout(self, group):
+        """What group's residual holds: its payload's coordinates, or its survivors (above)."""
+        kept = group.kept() if self._RESIDUAL_OF_SURVIVORS else None
+        return group.bitmap() if kept is None else kept
+
     def _residual_for(self, u, xp, compute):
         """The error-feedback residual of ``u`` (a bucket or a group: one array over the
-        group, aligned with its payload)."""
+        group, aligned with its payload, or with this rank's survivors while it is sent
+        dense with a mask, see :meth:`_residual_layout`)."""
         if not self.error_feedback:
             return None
         group = self._group_of(u)
-        layout = group.bitmap()
+        layout = self._residual_layout(group)
         entry = self._residuals.get(u)
         if entry is None:
             entry = self._gathered_residual(u if isinstance(u, tuple) else (u,), xp)
         if entry is None or entry.values.dtype != compute:  # zeros, laid out as the payload
-            entry = _Residual(xp.zeros(group.count, dtype=compute), layout)
+            size = group.count if layout is None or layout is group.bitmap() else layout.count
+            entry = _Residual(xp.zeros(size, dtype=compute), layout)
             self._residuals[u] = entry
         elif array_module(entry.values) is not xp:  # restored from a checkpoint (host)
             entry.values, entry.spare = xp.asarray(to_host(entry.values)), None
         values = entry.aligned(xp, layout, group.size)
-        for s, lo, hi, at in group.masked:
-            # Residuals of coordinates a new mask prunes are dropped with them.
-            self.tracker.buckets[s].mask.zero_pruned(values[at:at + hi - lo])
+        if layout is group.bitmap():
+            for s, lo, hi, at in group.masked:
+                # Residuals of coordinates a new mask prunes are dropped with them.
+                self.tracker.buckets[s].mask.zero_pruned(values[at:at + hi - lo])
         return values
 
     def _gathered_residual(self, slots, xp):
@@ -873,9 +937,8 @@ class StepEngine:
         the groups they were in before DDP rebuilt its buckets), which it replaces; None if
         none."""
         for key in [k for k in self._residuals if isinstance(k, tuple) and set(k) & set(slots)]:
-            key = self._reverse_for(key, slots)
-            for s, full in self._split_residual(key):  # views: joined or copied into the group
-                self._residuals[s] = _Residual(full, None)
+            for s, values, layout in self._members(key, slots):  # views: joined or copied
+                self._residuals[s] = _Residual(values, layout)
             del self._residuals[key]
         if len(slots) == 1:
             entry = self._residuals.get(slots[0])
@@ -885,16 +948,20 @@ class StepEngine:
         found = [s for s in slots if s in self._residuals]
         if not found:
             return None
-        if len(found) == len(slots) and all(self._residuals[s].layout is None for s in slots):
+        if len(found) == len(slots):
             # Members back to back in one array, in this order (the old group's, reversed in
-            # place by _reverse_for where DDP's rebuild reversed them): a slice of it, not a
-            # copy beside it (the DDP hook peaked at 1.9x the gradient bytes while the old
-            # array lived on).
-            joined = _joined([self._residuals[s].values for s in slots])
+            # place by _members where DDP's rebuild reversed them): a slice of it, not a copy
+            # beside it (the DDP hook peaked at 1.9x the gradient bytes while the old array
+            # lived on), laid out as its members' were.
+            parts = [self._residuals[s] for s in slots]
+            joined = _joined([entry.values for entry in parts])
             if joined is not None and array_module(joined) is xp:
+                layout = None if all(entry.layout is None for entry in parts) else \
+                    Bitmap.joined(xp, [self.buckets[s].size if entry.layout is None else
+                                       entry.layout for s, entry in zip(slots, parts)])
                 for s in slots:
                     del self._residuals[s]
-                entry = self._residuals[slots] = _Residual(joined, None)
+                entry = self._residuals[slots] = _Residual(joined, layout)
                 return entry
         first = self._residuals[found[0]].values
         module, group = array_module(first), self._group(slots)
@@ -906,27 +973,64 @@ class StepEngine:
         entry = self._residuals[slots] = _Residual(xp.asarray(full), None)
         return entry
 
-    def _reverse_for(self, key, slots):
-        """``key`` again, or its members reversed when ``slots`` are a run of them in reverse
-        order (DDP's first bucket holds the parameters in the model's order, its rebuilt ones in
-        the order backward made them ready, the reverse): the residual's segments are then
-        reversed in place, so the new groups can take slices of it."""
-        entry, back = self._residuals[key], tuple(reversed(slots))
-        runs = (key[i:i + len(slots)] for i in range(len(key) - len(slots) + 1))
-        if len(slots) < 2 or entry.layout is not None or back not in runs:
-            return key
-        _reverse_segments(entry.values, [self.buckets[s].size for s in key])
-        del self._residuals[key]
-        self._residuals[key[::-1]] = entry
-        return key[::-1]
-
-    def _split_residual(self, key):
-        """``(bucket, full-length residual view)`` of each member of group ``key``'s entry."""
+    def _members(self, key, slots=()):
+        """``(bucket, its residual, that residual's layout)`` of each member of group ``key``'s
+        entry: views of its array, in the array's order. When ``slots`` are a run of ``key``'s
+        members in reverse order (DDP's first bucket holds the parameters in the model's order,
+        its rebuilt ones in the order backward made them ready, the reverse), the array's
+        segments are reversed in place first, so the new groups can take slices of it."""
         entry = self._residuals[key]
         sizes = [self.buckets[s].size for s in key]
-        full = entry.full(array_module(entry.values), sum(sizes))
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return [(s, full[lo:lo + n]) for s, lo, n in zip(key, offsets, sizes)]
+        counts, layouts = sizes, [None] * len(key)
+        if entry.layout is not None:
+            offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+            counts = np.diff(entry.layout.counts_before(offsets)).tolist()
+            layouts = [entry.layout.section(lo, hi) for lo, hi in zip(offsets, offsets[1:])]
+        if self._reversed(key, slots):
+            _reverse_segments(entry.values, counts)
+            key, counts, layouts = key[::-1], counts[::-1], layouts[::-1]
+        at = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        return [(s, entry.values[lo:lo + n], layout)
+                for s, lo, n, layout in zip(key, at, counts, layouts)]
+
+    @staticmethod
+    def _reversed(key, slots):
+        """Whether ``slots`` are a run of group ``key``'s members in reverse order."""
+        back = tuple(reversed(slots))
+        return len(slots) > 1 and back in (key[i:i + len(slots)]
+                                           for i in range(len(key) - len(slots) + 1))
+
+    def _shrink_shared(self):
+        """Residuals that are slices of one shared NumPy array (DDP's rebuilt buckets) and are
+        shorter than it (compacted by :meth:`_Residual.aligned`) are moved, in the array's
+        order, to its front and the array is cut in place; each then a slice of the cut array.
+        Forward moves never overwrite a part not yet moved."""
+        shared = {}
+        for entry in self._residuals.values():
+            values = entry.values
+            if isinstance(values, np.ndarray) and values.base is not None and \
+                    values.base.ndim == 1 and values.base.flags.c_contiguous:
+                shared.setdefault(id(values.base), []).append(entry)
+        values = None
+        for entries in shared.values():
+            base = entries[0].values.base
+            if sum(e.values.size for e in entries) == base.size:
+                continue  # nothing to cut
+            entries.sort(key=lambda e: _address(e.values))
+            places, at = [], 0
+            for entry in entries:
+                start = (_address(entry.values) - _address(base)) // base.itemsize
+                _move_forward(base, start, at, entry.values.size)
+                places.append((entry, at, entry.values.size))
+                at += entry.values.size
+                entry.values = None
+            entry = entries = None
+            try:
+                base.resize(at)  # see _Residual.aligned; every slice of it was let go above
+            except ValueError:  # still referenced elsewhere: kept whole, its parts at the front
+                pass
+            for entry, start, size in places:
+                entry.values = base[start:start + size]
 
     def encode(self, b, flat, in_place=False):
         """Payload of bucket ``b`` from its flat gradient (which may be modified in place:
@@ -994,6 +1098,18 @@ class StepEngine:
     # In place, a packed ternary payload is quantized from the bucket's own front (no survivor
     # positions); a subclass that quantizes other values (node sums) says no.
     _TERNARY_IN_PLACE = True
+    # ... unless its survivor positions take at most this fraction of its gradient bytes
+    # (float32 gradients: density <= 0.25): reading the bits costs a pass over every
+    # coordinate each for the scales, the compaction and the expansion, where positions read
+    # the survivors only (4 Mi float32 values, one thread: 6.1 ms against 1.8 at density 0.2,
+    # 7.1 against 4.2 at 0.5), and so few positions cost little memory.
+    _TERNARY_POSITIONS_AT_MOST = 0.25
+
+    def _ternary_compacts(self, group):
+        """Whether packed ternary ``group``, encoded in place, is quantized from its compacted
+        front (else through survivor positions)."""
+        return self._TERNARY_IN_PLACE and group.count * index_dtype(group.size).itemsize > \
+            self._TERNARY_POSITIONS_AT_MOST * group.nbytes
 
     def _encode_ternary(self, b, xp, flat, group, in_place):
         """Ternary words of bucket ``b`` and their context. ``in_place`` (the bucket is the
@@ -1006,7 +1122,7 @@ class StepEngine:
         # Fetched even for a step sent unquantized: the residual then still drops what this
         # step's mask prunes, as on every other step.
         residual = self._residual_for(b, xp, kernels.compute_dtype(flat.dtype))
-        compact = in_place and group.packed and self._TERNARY_IN_PLACE
+        compact = in_place and group.packed and self._ternary_compacts(group)
         if not np.isfinite(scales).all():
             # NaN/Inf on some rank: send this bucket unquantized, so the non-finite values
             # propagate exactly as on the dense path and the scale is never NaN.
@@ -1142,7 +1258,9 @@ class StepEngine:
         """``(bucket, full-length host residual)`` of every bucket that has one."""
         for u, entry in self._residuals.items():
             if isinstance(u, tuple):
-                yield from ((s, to_host(full).copy()) for s, full in self._split_residual(u))
+                yield from ((s, to_host(_Residual(values, layout).full(
+                    array_module(values), self.buckets[s].size)).copy())
+                    for s, values, layout in self._members(u))
             else:
                 yield u, to_host(entry.full(array_module(entry.values),
                                             self.buckets[u].size)).copy()

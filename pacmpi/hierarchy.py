@@ -147,6 +147,7 @@ class HierarchicalEngine(StepEngine):
 
     _CACHES = StepEngine._CACHES + ("_node_sums",)  # bucket -> this step's node sum
     _TERNARY_IN_PLACE = False  # the leader quantizes its node sum, not the bucket's front
+    _RESIDUAL_OF_SURVIVORS = False  # a node sum is not zero where this rank prunes
 
     def _code_ranks(self, collectives):
         return collectives.nodes

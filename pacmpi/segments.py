@@ -45,10 +45,16 @@ class SegmentTable:
     on the reference and CuPy routes, one call each.
     """
 
-    def __init__(self, sizes, indices, digits, positions=None):
+    def __init__(self, sizes, indices, digits, positions=None, kept=None):
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.digits = int(digits)
         self.bits, self._indices, self._make_positions = None, indices, positions
+        # A dense table whose error-feedback residual holds the coordinates set in ``kept``
+        # only (a Bitmap: the rank's survivors, its other coordinates zeroed): their bits, and
+        # where each segment's residual starts.
+        self.kept_bits = self.kept_starts = None
+        if kept is not None and indices is None:
+            self.kept_bits, self.kept_starts = kept.bits, kept.counts_before(self.offsets)
         if isinstance(indices, Bitmap):
             self.bits, self._indices = indices.bits, None
             self._make_positions = positions or indices.positions
@@ -98,6 +104,7 @@ class SegmentTable:
         lo, hi = self.payload_at([first, stop])
         part = object.__new__(SegmentTable)
         part.digits, part.bits = self.digits, None
+        part.kept_bits = part.kept_starts = None
         part._indices = part._make_positions = None
         part.offsets = part.starts = np.clip(self.starts, lo, hi) - lo
         part._place(np.clip(self.word_starts, first, stop) - first)
@@ -124,6 +131,11 @@ class SegmentTable:
         """Per segment ``max |flat + residual|`` over its survivors (float64, 0.0 when it has
         none; NaN or Inf when a value is not finite)."""
         maxima = np.zeros(len(self))
+        if self.kept_bits is not None and residual is not None and not compact:
+            # Dense, the residual kept for the survivors: their maxima are every coordinate's
+            # (the others are 0, as their residual would be).
+            return kernels.absmax_bits(xp, flat, self.kept_bits, residual, self.offsets,
+                                       self.kept_starts, self.filled, maxima)
         # Through the bits only while no positions exist: once made (a payload read through
         # them: Horovod), reading the survivors alone is the faster way.
         if self.bits is not None and self._indices is None and not compact:
@@ -147,6 +159,11 @@ class SegmentTable:
         indices = None if compact else self.indices
         keys = key if isinstance(key, np.ndarray) else \
             uniform_from(key, self.starts[:-1].astype(np.uint64))
+        if self.kept_bits is not None and residual_in is not None and not compact:
+            return kernels.ternary_encode_kept(
+                xp, flat, self.kept_bits, residual_in, residual_out, self.offsets,
+                self.kept_starts, self.word_starts, self.filled, np.asarray(scales, np.float64),
+                keys, codec, words)
         fused = kernels.segments_module(xp, flat, indices, residual_in, residual_out, words)
         together, alone = self._split(fused, self.filled)
         if together.size:

@@ -116,20 +116,25 @@ def test_a_groups_positions_are_built_once_per_mask_change():
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(members=st.lists(member, min_size=1, max_size=8), dtype=st.sampled_from(DTYPES),
-       error_feedback=st.booleans(), stable_steps=st.integers(0, 1),
+       error_feedback=st.booleans(), stable_steps=st.integers(0, 2),
        regroup=st.sampled_from(["none", "split", "reverse"]), in_place=st.booleans(),
        seed=st.integers(0, 2**31),
-       ternary_scale=st.sampled_from(["tensor", 1, 3, 16]))
+       ternary_scale=st.sampled_from(["tensor", 1, 3, 16]), positions=st.booleans())
 # Sent dense when DDP rebuilds (nothing pruned), as the hook's first steps are: the group's
 # residual is then reversed in place and sliced, not copied.
 @example(members=[(5, None), (7, 1.0), (1, None), (9, None)], dtype="float32",
          error_feedback=True, stable_steps=0, regroup="reverse", in_place=False, seed=1,
-         ternary_scale="tensor")
+         ternary_scale="tensor", positions=False)
 @example(members=[(33, None), (2, None), (17, 1.0)], dtype="float64", error_feedback=True,
-         stable_steps=1, regroup="reverse", in_place=True, seed=2, ternary_scale=3)
+         stable_steps=1, regroup="reverse", in_place=True, seed=2, ternary_scale=3,
+         positions=False)
+# A mask checked dense for two steps (the second with a residual) and through the rebuild.
+@example(members=[(40, 0.5), (9, None), (70, 0.3), (5, 0.6)], dtype="float32",
+         error_feedback=True, stable_steps=2, regroup="reverse", in_place=True, seed=4,
+         ternary_scale="tensor", positions=False)
 def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         route, members, dtype, error_feedback, stable_steps, regroup, in_place, seed,
-        ternary_scale):
+        ternary_scale, positions):
     """Ternary: each member its own scale, key and residual, so the group's words are its
     members' words back to back and its decode theirs, step after step, through a mask
     change, error feedback on and off, and the groups changing (DDP rebuilding its buckets:
@@ -140,7 +145,11 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
     hook does for its bucket 0), the other engine in an all-reduce of their own; with
     ``in_place`` the grouped engine quantizes a packed group from its compacted front, reading
     the scales through the mask's bits and updating the residuals at the encode (no positions,
-    no spare), and every word, value and residual is still the same. With blocks of
+    no spare), and every word, value and residual is still the same; ``positions``: in place
+    through survivor positions instead, as a group at low density is (the residual still
+    updated at the encode). While a member's mask is checked dense, the grouped engine keeps
+    the residual of its survivors only (the other engine every coordinate's, 0 where pruned)
+    and still sends the same words. With blocks of
     ``ternary_scale`` elements a scale, a member's blocks go on along its own key's numbers
     as the bucket's do alone."""
     rng = np.random.default_rng(seed)
@@ -150,6 +159,8 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
     options = dict(quantize="ternary", error_feedback=error_feedback,
                    stable_steps=stable_steps, seed=7, ternary_scale=ternary_scale)
     grouped, alone = _engine(sizes, dtype, **options), _engine(sizes, dtype, **options)
+    grouped._TERNARY_POSITIONS_AT_MOST = np.inf if positions else 0.0
+    alone._RESIDUAL_OF_SURVIVORS = False  # sent dense, its residual covers every coordinate
     everything = tuple(range(len(sizes)))
     for step in range(4):
         if step == 3 and masks[0] is not None:
@@ -187,7 +198,8 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
             engine.end_step()
         if in_place:
             report = grouped.memory_report()
-            assert all(g._positions is None for g in grouped._groups.values()), "positions"
+            if not positions:
+                assert all(g._positions is None for g in grouped._groups.values()), "positions"
             assert report["residuals"] == sum(  # one array per group, no spare
                 e.values.nbytes for e in grouped._residuals.values())
         saved, wanted = grouped.state_dict()["residuals"], alone.state_dict()["residuals"]
@@ -211,7 +223,7 @@ def test_ddps_reversed_rebuild_slices_the_residual_instead_of_copying_it():
              for s in range(3)]
     options = dict(quantize="ternary", error_feedback=True, seed=3)
     sliced, copied = _engine(sizes, "float32", **options), _engine(sizes, "float32", **options)
-    copied._reverse_for = lambda key, slots: key  # the old path: each new group copies
+    copied._reversed = lambda key, slots: False  # the old path: each new group copies
     extra = {}
     tracemalloc.start()
     try:
@@ -243,6 +255,76 @@ def test_ddps_reversed_rebuild_slices_the_residual_instead_of_copying_it():
     assert len(residuals) == 2 and residuals[0].base is residuals[1].base is not None
     for b, residual in sliced.state_dict()["residuals"].items():
         np.testing.assert_array_equal(residual, copied.state_dict()["residuals"][b])
+
+
+def _rebuild_then_pack(engines, sizes, masks, extra):
+    """Steps as DDP's hook takes them: one group of every bucket, DDP's reversed rebuild into
+    two groups at step 2 (dense: no masks yet), masks from step 3 on (packed at once); each
+    step's peak allocation above its start per engine, as a ratio of the gradient bytes."""
+    total, everything = sum(sizes), tuple(range(len(sizes)))
+    for step in range(6):
+        grad = np.random.default_rng(step).standard_normal(total).astype(np.float32)
+        order = everything if step < 2 else everything[::-1]
+        groups = [order] if step < 2 else [order[:2], order[2:]]
+        given = [None] * len(sizes) if step < 3 else masks
+        flats = []
+        for name, engine in engines.items():
+            flat = np.concatenate([grad[sum(sizes[:b]):sum(sizes[:b + 1])] for b in order])
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            engine.begin_step(lambda: given)
+            lo = 0
+            for group in groups:
+                hi = lo + sum(sizes[b] for b in group)
+                engine.agree_scales({group: flat[lo:hi]})
+                wire, ctx = engine.encode(group, flat[lo:hi], in_place=True)  # as the hook
+                engine.decode(wire, ctx, flat[lo:hi])
+                lo = hi
+            engine.end_step()
+            extra[step, name] = (tracemalloc.get_traced_memory()[1] - before) / grad.nbytes
+            flats.append(flat)
+        for flat in flats[1:]:
+            np.testing.assert_array_equal(flats[0], flat)
+    return order
+
+
+def test_groups_sharing_one_residual_are_cut_together_when_packing_starts():
+    """After DDP's reversed rebuild the groups' residuals are slices of one array. When their
+    masks start being packed, each group compacts its slice in place and keeps it as a slice
+    (no copy beside the whole array: the hook peaked at 1.4x the gradient bytes at density
+    0.5); at the step's end the parts move to the array's front and it is cut to the
+    survivors. Every value and residual equals the copying path's (each new group its own
+    array, cut alone in place), and the transition allocates no more than that path does; the
+    control that never cuts keeps the whole array."""
+    sizes = [1 << 18, 1000, 1 << 17, 7, 1 << 16]
+    rng = np.random.default_rng(5)
+    masks = [rng.random(n) < 0.5 for n in sizes]
+    options = dict(quantize="ternary", error_feedback=True, seed=3, stable_steps=0)
+
+    def engines():
+        made = {name: _engine(sizes, "float32", **options)
+                for name in ("uncut", "copied", "shared")}  # (the first in a step pays more)
+        made["copied"]._reversed = lambda key, slots: False  # each new group its own array
+        made["uncut"]._shrink_shared = lambda: None
+        return made
+
+    extra = {}
+    tracemalloc.start()
+    try:
+        _rebuild_then_pack(engines(), sizes, masks, {})  # compiles every kernel first
+        measured = engines()
+        order = _rebuild_then_pack(measured, sizes, masks, extra)
+    finally:
+        tracemalloc.stop()
+    survivors = sum(int(m.sum()) for m in masks)
+    shared = [e.values for e in measured["shared"]._residuals.values()]
+    assert len(shared) == 2 and shared[0].base is shared[1].base is not None
+    assert shared[0].base.size == survivors  # cut to the survivors
+    assert measured["uncut"]._residuals[order[:2]].values.base.size == sum(sizes)  # control
+    # (The old path copied each packed slice out beside the whole array: +0.43 here.)
+    assert extra[3, "shared"] < extra[3, "copied"] + 0.15, extra
+    for b, residual in measured["shared"].state_dict()["residuals"].items():
+        np.testing.assert_array_equal(residual, measured["copied"].state_dict()["residuals"][b])
 
 
 class _Counting(MPICollectives):

@@ -235,6 +235,45 @@ def test_absmax_bits_matches_the_reference():
                                     np.float64(reference.absmax(np, flat, kept, part)))
 
 
+def test_ternary_encode_kept_matches_the_reference():
+    """A dense payload whose residual is kept for the survivors only (the few steps a mask is
+    checked dense): the compiled kernel equals the reference bit for bit (words and residuals,
+    in place or not) over every dtype, odd lengths, masks of every branch (0 and 1 survivors),
+    NaN and Inf, segments starting anywhere; and the reference equals :func:`ternary_encode`
+    with a full-length residual that is 0 where the mask prunes (what it replaces)."""
+    rng = np.random.default_rng(17)
+    codec = TernaryCodec(3)
+    for dtype in DTYPES:
+        compute = kernels.compute_dtype(dtype)
+        for size in (1, 7, 64, 200, 5003):
+            flat = _special(rng, _gradient(rng, size, dtype))
+            cuts = np.unique(np.concatenate([[0, size], rng.integers(0, size + 1, 5)]))
+            lengths = np.diff(cuts)
+            word_starts = np.concatenate([[0], np.cumsum([codec.words_for(n) for n in lengths])])
+            which = np.flatnonzero(lengths)
+            scales = np.abs(rng.standard_normal(lengths.size)) * 3 + 0.1
+            keys = rng.integers(0, 2**63, lengths.size).astype(np.uint64)
+            for mask in _masks(rng, size):
+                bits = np.packbits(mask)
+                starts = np.array([int(mask[:c].sum()) for c in cuts])
+                residual = (rng.standard_normal(starts[-1]) * 0.5).astype(compute)
+                words = np.zeros(word_starts[-1], codec.word_dtype)
+                for residual_out in (residual, np.zeros_like(residual), None):
+                    check_both(np, "ternary_encode_kept", flat, bits, residual, residual_out,
+                               cuts, starts, word_starts, which, scales, keys, codec, words)
+                got = reference.ternary_encode_kept(np, flat, bits, residual, None, cuts, starts,
+                                                    word_starts, which, scales, keys, codec,
+                                                    words.copy())
+                for s in which:
+                    lo, hi = cuts[s], cuts[s + 1]
+                    full = np.zeros(hi - lo, compute)
+                    full[mask[lo:hi]] = residual[starts[s]:starts[s + 1]]
+                    want = reference.ternary_encode(
+                        np, flat[lo:hi], None, full, None, float(scales[s]), int(keys[s]),
+                        codec, np.empty(word_starts[s + 1] - word_starts[s], codec.word_dtype))
+                    np.testing.assert_array_equal(got[word_starts[s]:word_starts[s + 1]], want)
+
+
 @ON_EVERY_ROUTE
 def test_compact_and_expand_are_the_masked_gather_and_scatter(xp):
     """The bitmap-driven pair against what it replaces, positions taken from the mask:
@@ -576,6 +615,7 @@ def test_warm_up_compiles_every_signature_a_step_needs():
     expected = {"gather": 4, "scatter": 4, "compact": 4, "expand": 4, "absmax": 4,
                 "ternary_encode": 4 * words, "ternary_decode": 4 * words,
                 "absmax_segments": 4, "absmax_bits": 4, "ternary_encode_segments": 4 * words,
+                "ternary_encode_kept": 4 * words,
                 "ternary_decode_segments": 4 * words}
     for name, kernel in cpu._KERNELS.items():  # the parallel kernels and their serial twins
         for version in cpu._versions(kernel):

@@ -25,8 +25,8 @@ from . import reference
 from .reference import compute_dtype
 
 __all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits", "ternary_encode",
-           "ternary_decode", "segments_module", "backend", "set_backend", "warm_up",
-           "compute_dtype", "BACKENDS"]
+           "ternary_encode_kept", "ternary_decode", "segments_module", "backend", "set_backend",
+           "warm_up", "compute_dtype", "BACKENDS"]
 
 BACKENDS = ("auto", "numba", "numpy")
 
@@ -141,6 +141,10 @@ def warm_up(dtypes=None):
             words = table.encode(np, flat, residual, residual, scales, 0, codec,
                                  np.empty(table.words, codec.word_dtype))
             table.decode(np, words, codec, 2, scales, 2, flat)
+            ternary_encode_kept(np, flat, bits, residual, residual, [0, flat.size],
+                                [0, count], [0, codec.words_for(flat.size)], [0], scales[:1], [0],
+                                codec,
+                                np.empty(codec.words_for(flat.size), codec.word_dtype))
     return backend(np)
 
 
@@ -302,6 +306,40 @@ def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, cod
                                         key, codec, words_out)
     return fused.ternary_encode(flat, indices, residual_in, residual_out, scale, key, codec,
                                 words_out)
+
+
+def ternary_encode_kept(xp, flat, bits, residual_in, residual_out, offsets, starts,
+                        word_starts, which, scales, keys, codec, words):
+    """:func:`ternary_encode` of every coordinate of each segment ``s`` in ``which``
+    (``flat[offsets[s]:offsets[s + 1]]``, sent dense) with ``scales[s]`` and ``keys[s]`` into
+    ``words[word_starts[s]:word_starts[s + 1]]``, where the error-feedback residual is kept for
+    the coordinates set in ``bits`` only (``packbits`` of a mask of flat; the segment's are
+    ``residual_in[starts[s]:starts[s + 1]]``): the words and those residuals are the ones a
+    full-length residual that is 0 elsewhere gives. ``residual_out`` (may be residual_in; None:
+    not kept) gets theirs. Compiled for NumPy arrays (one serial call: it is the path of the
+    few steps a mask is checked dense); CuPy takes the reference. Returns ``words``."""
+    _check_bits("ternary_encode_kept", bits, flat)
+    offsets, starts, word_starts = (np.asarray(a, np.int64) for a in (offsets, starts,
+                                                                       word_starts))
+    compute = compute_dtype(flat.dtype)
+    if offsets.size != starts.size or offsets[-1] != flat.size or starts[-1] > flat.size:
+        raise ValueError(f"ternary_encode_kept: offsets {offsets} and starts {starts} must "
+                         f"cover {flat.size} elements")
+    _check_float("residual_in", residual_in, compute, int(starts[-1]))
+    _check_float("residual_out", residual_out, compute, int(starts[-1]))
+    if words.dtype != codec.word_dtype or words.size < word_starts[-1]:
+        raise ValueError(f"words must be at least {word_starts[-1]} {codec.word_dtype} words, "
+                         f"got {words.size} {words.dtype}")
+    which = np.asarray(which, np.int64)
+    scales, keys = np.asarray(scales, np.float64), np.asarray(keys, np.uint64)
+    arrays = (flat, bits, residual_in, words) + (() if residual_out is None else
+                                                 (residual_out,))
+    if backend(xp) != "numba" or not all(a.flags.c_contiguous for a in arrays):
+        return reference.ternary_encode_kept(xp, flat, bits, residual_in, residual_out,
+                                             offsets, starts, word_starts, which, scales, keys,
+                                             codec, words)
+    return _cpu().ternary_encode_kept(flat, bits, residual_in, residual_out, offsets, starts,
+                                      word_starts, which, scales, keys, codec, words)
 
 
 def ternary_decode(xp, words, count, codec, ranks, scale, divisor, indices, flat):

@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from .reference import compute_dtype, digit_powers, division_tables
 
 __all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits", "ternary_encode",
-           "ternary_decode", "absmax_segments", "ternary_encode_segments",
+           "ternary_decode", "absmax_segments", "ternary_encode_segments", "ternary_encode_kept",
            "ternary_decode_segments", "converts",
            "compile_stats", "half_sum_function"]
 
@@ -645,6 +645,36 @@ def _ternary_encode_segments(flat, indices, packed, residual_in, add_residual, r
 
 
 @njit(error_model="numpy", **_JIT)
+def _ternary_encode_kept(flat, bits, residual_in, residual_out, keep_residual, offsets, starts,
+                         word_starts, which, positive, scales, scales32, keys_lo, keys_hi,
+                         powers, words):
+    # As _ternary_encode_segments over every coordinate (dense), the residual read and written
+    # through the bits: coordinate j's is residual number r, the bits set before it; the others
+    # add 0.0, as a full-length residual that is 0 there would.
+    k = powers.size
+    zero = _to_float(flat.dtype.type(0))
+    for i in range(which.size):
+        s = which[i]
+        first, stop = offsets[s], offsets[s + 1]
+        r = np.uint64(starts[s])
+        for w in range(word_starts[s], word_starts[s + 1]):
+            j0 = first + (w - word_starts[s]) * k
+            word = np.uint64(0)
+            for j in range(j0, min(j0 + k, stop)):
+                bit = _bit_at(bits, np.uint64(j))
+                v = _to_float(flat[np.uint64(j)])
+                v += residual_in[r] if bit else zero
+                keep = positive[s] & (_uniform(j - first, keys_lo[s], keys_hi[s])
+                                      < np.float32(abs(v)) / scales32[s])
+                q = (1 if v > 0 else -1) if keep else 0
+                if keep_residual and bit:
+                    residual_out[r] = v - _as_float(q, v) * scales[s]
+                r += bit
+                word += np.uint64(q + 1) * powers[np.uint64(j - j0)]
+            words[np.uint64(w)] = word
+
+
+@njit(error_model="numpy", **_JIT)
 def _ternary_decode_segments(words, k, base, magics, shifts, ranks, scales, divisor, divide,
                              indices, packed, offsets, starts, word_starts, which, flat):
     for i in range(which.size):
@@ -708,6 +738,7 @@ _KERNELS = {"gather": _gather, "scatter": _scatter, "compact": _compact, "expand
             "ternary_encode": _ternary_encode, "ternary_decode": _ternary_decode,
             "absmax_segments": _absmax_segments, "absmax_bits": _absmax_bits,
             "ternary_encode_segments": _ternary_encode_segments,
+            "ternary_encode_kept": _ternary_encode_kept,
             "ternary_decode_segments": _ternary_decode_segments}
 
 
@@ -888,6 +919,18 @@ def ternary_encode_segments(flat, indices, residual_in, residual_out, scales, ke
         *_optional(residual_out, compute), starts, word_starts, which, scales > 0,
         scales.astype(compute), scales.astype(np.float32), *_keys(keys),
         digit_powers(codec.base, codec.digits_per_word), _unsigned(words_out))
+    return words_out
+
+
+def ternary_encode_kept(flat, bits, residual_in, residual_out, offsets, starts, word_starts,
+                        which, scales, keys, codec, words_out):
+    """:func:`pacmpi.kernels.reference.ternary_encode_kept`, one serial call for every segment
+    in ``which``."""
+    compute = compute_dtype(flat.dtype)
+    _ternary_encode_kept(
+        _view(flat), bits, residual_in, *_optional(residual_out, compute), offsets, starts,
+        word_starts, which, scales > 0, scales.astype(compute), scales.astype(np.float32),
+        *_keys(keys), digit_powers(codec.base, codec.digits_per_word), _unsigned(words_out))
     return words_out
 
 

@@ -12,7 +12,8 @@ import numpy as np
 from ..ternary import stochastic_ternary
 
 __all__ = ["compute_dtype", "digit_powers", "division_tables", "gather", "scatter", "compact",
-           "expand", "absmax", "absmax_bits", "ternary_encode", "ternary_decode"]
+           "expand", "absmax", "absmax_bits", "ternary_encode", "ternary_encode_kept",
+           "ternary_decode"]
 
 
 def compute_dtype(dtype):
@@ -131,6 +132,29 @@ def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, cod
     if residual_out is not None:
         residual_out[...] = values - codes.astype(values.dtype) * values.dtype.type(scale)
     return codec.encode(xp, codes, out=words_out)
+
+
+def ternary_encode_kept(xp, flat, bits, residual_in, residual_out, offsets, starts,
+                        word_starts, which, scales, keys, codec, words):
+    """:func:`ternary_encode` of every coordinate of each segment ``s`` in ``which``
+    (``flat[offsets[s]:offsets[s + 1]]``, dense) with ``scales[s]`` and ``keys[s]`` into
+    ``words[word_starts[s]:word_starts[s + 1]]``, where the residual is kept for the
+    coordinates set in ``bits`` only (``residual_in[starts[s]:starts[s + 1]]``: as a full-length
+    residual that is 0 elsewhere); ``residual_out`` (None: not kept) gets theirs."""
+    kept = xp.unpackbits(bits)[:flat.size].view(xp.bool_)
+    compute = compute_dtype(flat.dtype)
+    for s in which:
+        lo, hi, r0, r1 = (int(offsets[s]), int(offsets[s + 1]), int(starts[s]),
+                          int(starts[s + 1]))
+        mask = kept[lo:hi]
+        full = xp.zeros(hi - lo, dtype=compute)
+        full[mask] = residual_in[r0:r1]
+        out = None if residual_out is None else xp.empty_like(full)
+        ternary_encode(xp, flat[lo:hi], None, full, out, float(scales[s]), int(keys[s]), codec,
+                       words[int(word_starts[s]):int(word_starts[s + 1])])
+        if residual_out is not None:
+            residual_out[r0:r1] = out[mask]
+    return words
 
 
 def ternary_decode(xp, words, count, codec, ranks, scale, divisor, indices, flat):
