@@ -114,10 +114,12 @@ class Bitmap:
             yield (start - first, stop - first,
                    xp.unpackbits(bits)[start % 8:start % 8 + stop - start].view(xp.bool_))
 
-    def section(self, first, last):
+    def section(self, first, last, count=None):
         """Coordinates ``first`` up to ``last`` as a mask of their own, or None when every one
-        of them is set (the layout of a stretch kept whole). Made a chunk at a time."""
-        count = np.diff(self.counts_before(np.array([first, last], dtype=np.int64)))[0]
+        of them is set (the layout of a stretch kept whole). Made a chunk at a time; ``count``:
+        how many are set, when known (:meth:`counts_before` reads the bits up to ``last``)."""
+        if count is None:
+            count = np.diff(self.counts_before(np.array([first, last], dtype=np.int64)))[0]
         if count == last - first:
             return None
         part = _Section(self, first, last, int(count))

@@ -985,7 +985,8 @@ class StepEngine:
         if entry.layout is not None:
             offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
             counts = np.diff(entry.layout.counts_before(offsets)).tolist()
-            layouts = [entry.layout.section(lo, hi) for lo, hi in zip(offsets, offsets[1:])]
+            layouts = [entry.layout.section(lo, hi, n)
+                       for lo, hi, n in zip(offsets, offsets[1:], counts)]
         if self._reversed(key, slots):
             _reverse_segments(entry.values, counts)
             key, counts, layouts = key[::-1], counts[::-1], layouts[::-1]
