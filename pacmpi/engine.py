@@ -127,13 +127,14 @@ class _Group:
 
     __slots__ = ("slots", "key", "states", "masked", "count", "packed", "size", "nbytes",
                  "offsets", "step", "epoch", "table", "steady", "_positions", "_bitmap",
-                 "_kept")
+                 "_kept", "blocks")
 
     def __init__(self, slots, states, specs, key, step):
         sizes = [specs[s].size for s in slots]
         offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.slots, self.key, self.step, self.size = slots, key, step, int(offsets[-1])
         self.offsets, self.table = offsets, None  # table: the ternary SegmentTable, when asked
+        self.blocks = None  # with the table: each member's segments and where each begins in it
         self.states, self._positions, self._bitmap, self._kept = states, None, None, None
         self.nbytes = sum(specs[s].size * specs[s].dtype.itemsize for s in slots)
         self.packed = sum(state.packed for state in states)
@@ -1164,10 +1165,13 @@ class StepEngine:
         members = np.array(b, dtype=np.uint64) if isinstance(b, tuple) else b
         key = ternary_key(self.seed, self.step, members, self.collectives.rank)
         if isinstance(b, tuple):  # a member's blocks go on along its key's numbers
-            blocks = [self._block_count(n) for n in self._tensor_sizes(b)]
-            first = np.repeat(table.starts[np.cumsum([0] + blocks[:-1])], blocks)
-            key = uniform_from(np.repeat(key, blocks),
-                               (table.starts[:-1] - first).astype(np.uint64))
+            group = self._group_of(b)
+            if group.blocks is None or group.blocks[0] is not table:
+                blocks = [self._block_count(n) for n in self._tensor_sizes(b)]
+                first = np.repeat(table.starts[np.cumsum([0] + blocks[:-1])], blocks)
+                group.blocks = (table, blocks, (table.starts[:-1] - first).astype(np.uint64))
+            _, blocks, within = group.blocks
+            key = uniform_from(np.repeat(key, blocks), within)
         words = self._scratch(xp, table.words, self.codec.word_dtype)
         table.encode(xp, flat, residual, new_residual, scales, key, self.codec, words, compact)
         return words, None if in_place else new_residual
