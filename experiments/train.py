@@ -42,15 +42,23 @@ import os
 import sys
 import time
 import warnings
+from collections import OrderedDict
 from typing import Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pacmpi import MPICollectives
 from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkpoint
-from pacmpi.adapters.pruning import PRUNING_CRITERIA, GradualPruningSchedule, MaskEnforcer, prune
+from pacmpi.adapters.pruning import (
+    PRUNING_CRITERIA,
+    GradualPruningSchedule,
+    MaskEnforcer,
+    named_prunable_parameters,
+    prune,
+)
 from pacmpi.adapters.torch_sync import (
     barrier,
     broadcast_buffers,
@@ -710,6 +718,25 @@ class _StepLog:
 
 
 # ---------------------------------------------------------------------------------- run
+def _prune(model, ratio: float, prune_args: dict):
+    """Prune ``model`` by ``prune_args``' criterion; a gradient criterion leaves embedding tables
+    to magnitude. A table's gradient is zero on every row whose token the scoring batch lacks,
+    so Taylor and GraSP, scored on a batch, would remove those rows first (on MiniLM, 96% of
+    the word embeddings, half the model: top-1 0.553 -> 0.020 at 0.5). Each part loses the same
+    fraction, so the whole model does too."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    if prune_args["method"] == "magnitude" or not tables:
+        return prune(model, ratio, **prune_args)
+
+    def is_table(name, param):
+        return id(param) in tables
+
+    masks = prune(model, ratio, exclude=is_table, **prune_args)
+    masks.update(prune(model, ratio, include=is_table, **{**prune_args, "method": "magnitude"}))
+    order = named_prunable_parameters(model)
+    return OrderedDict((name, masks[name]) for name in order)
+
+
 def run(config, collectives=None) -> dict:
     """Fine-tune as configured (a :class:`TrainConfig`, dict or argparse namespace) on every rank
     of ``collectives`` (default :func:`collectives_for` the configured backend: ``COMM_WORLD``
@@ -759,7 +786,7 @@ def fine_tune(config, collectives=None):
     prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives,
                   "loss_fn": loss_fn}
     milestones = parse_gradual(cfg.gradual) if cfg.gradual else None
-    masks = prune(model, 0.0 if milestones else cfg.ratio, **prune_args)
+    masks = _prune(model, 0.0 if milestones else cfg.ratio, prune_args)
     enforcer = MaskEnforcer(model, masks)
 
     optimizer = _optimizer(cfg, model.parameters(), cfg.lr)

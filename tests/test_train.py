@@ -91,3 +91,39 @@ def test_watchdog_option_is_parsed_and_validated():
 def test_baselines_error_feedback_and_bias_probe_on_two_ranks(workdir, scenario):
     run_scenarios(BASELINES, 2, timeout=TIMEOUT,
                   env=(("PACMPI_TEST_WORKDIR", workdir),)).check(scenario)
+
+
+def test_a_gradient_criterion_leaves_embedding_tables_to_magnitude():
+    """Taylor scored on a batch sees a zero gradient on every embedding row whose token the
+    batch lacks, so it would remove those rows first; the job scores embedding tables by
+    magnitude and the rest by the criterion, each part losing the same fraction. Control:
+    Taylor over everything removes the absent tokens' rows."""
+    import torch
+    from torch import nn
+
+    from pacmpi.adapters.pruning import prune
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 8)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.embed(x).mean(1))
+
+    torch.manual_seed(0)
+    batch = [(torch.randint(0, 10, (4, 5)), torch.randint(0, 3, (4,)))]  # tokens 0-9 only
+    args = {"method": "taylor", "data": batch, "collectives": None}
+    model = Tagger()
+    weights = model.embed.weight.detach().clone()
+    masks = train._prune(model, 0.5, args)
+    assert list(masks) == ["embed.weight", "head.weight"]  # the model's order
+    kept = masks["embed.weight"]
+    assert int(kept.sum()) == weights.numel() // 2 and int(masks["head.weight"].sum()) == 12
+    threshold = weights.abs().flatten().kthvalue(weights.numel() // 2).values
+    assert bool((weights.abs()[kept] >= threshold).all())  # by magnitude
+    assert int(kept[10:].sum()) > 100  # absent tokens' rows keep their large weights
+    everything = prune(Tagger(), 0.5, **args)["embed.weight"]
+    present = batch[0][0].unique()
+    assert bool(everything[present].all())  # every weight it removed is an absent token's
