@@ -212,57 +212,13 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
             np.testing.assert_array_equal(_bits(saved[b][kept]), _bits(want[kept]))
 
 
-def test_ddps_reversed_rebuild_slices_the_residual_instead_of_copying_it():
-    """DDP's first bucket holds every parameter in the model's order, its rebuilt buckets in
-    the reverse: the first group's residual is reversed in place and the new groups take
-    slices of it, so the rebuild allocates no second residual (the hook peaked at 1.9x the
-    gradient bytes), and the new groups send what the old path's copies sent."""
-    sizes = [1 << 18, 1000, 1 << 17, 7, 1 << 16]
-    everything = tuple(range(len(sizes)))
-    grads = [np.random.default_rng(s).standard_normal(sum(sizes)).astype(np.float32)
-             for s in range(3)]
-    options = dict(quantize="ternary", error_feedback=True, seed=3)
-    sliced, copied = _engine(sizes, "float32", **options), _engine(sizes, "float32", **options)
-    copied._reversed = lambda key, slots: False  # the old path: each new group copies
-    extra = {}
-    tracemalloc.start()
-    try:
-        for step, grad in enumerate(grads):
-            order = everything if step < 2 else everything[::-1]
-            groups = [order] if step < 2 else [order[:2], order[2:]]
-            flats = []
-            for engine in (sliced, copied):
-                flat = np.concatenate([grad[sum(sizes[:b]):sum(sizes[:b + 1])] for b in order])
-                before = tracemalloc.get_traced_memory()[0]
-                tracemalloc.reset_peak()
-                engine.begin_step(lambda: [None] * len(sizes))
-                lo = 0
-                for group in groups:
-                    hi = lo + sum(sizes[b] for b in group)
-                    engine.agree_scales({group: flat[lo:hi]})
-                    wire, ctx = engine.encode(group, flat[lo:hi], in_place=True)  # as the hook
-                    engine.decode(wire, ctx, flat[lo:hi])
-                    lo = hi
-                engine.end_step()
-                extra[step, engine is sliced] = (
-                    tracemalloc.get_traced_memory()[1] - before) / grad.nbytes
-                flats.append(flat)
-            np.testing.assert_array_equal(*flats)
-    finally:
-        tracemalloc.stop()
-    assert extra[2, True] < 0.5 < extra[2, False], extra  # the copies: a second residual
-    residuals = [e.values for e in sliced._residuals.values()]
-    assert len(residuals) == 2 and residuals[0].base is residuals[1].base is not None
-    for b, residual in sliced.state_dict()["residuals"].items():
-        np.testing.assert_array_equal(residual, copied.state_dict()["residuals"][b])
-
-
-def _rebuild_then_pack(engines, sizes, masks, extra):
+def _rebuild_then_pack(engines, sizes, masks, extra, steps=6):
     """Steps as DDP's hook takes them: one group of every bucket, DDP's reversed rebuild into
-    two groups at step 2 (dense: no masks yet), masks from step 3 on (packed at once); each
-    step's peak allocation above its start per engine, as a ratio of the gradient bytes."""
+    two groups at step 2 (dense: no masks yet), ``masks`` from step 3 on (packed at once);
+    each step's peak allocation above its start per engine, as a ratio of the gradient bytes,
+    into ``extra[step, name]``. Returns the rebuilt groups' bucket order."""
     total, everything = sum(sizes), tuple(range(len(sizes)))
-    for step in range(6):
+    for step in range(steps):
         grad = np.random.default_rng(step).standard_normal(total).astype(np.float32)
         order = everything if step < 2 else everything[::-1]
         groups = [order] if step < 2 else [order[:2], order[2:]]
@@ -286,6 +242,28 @@ def _rebuild_then_pack(engines, sizes, masks, extra):
         for flat in flats[1:]:
             np.testing.assert_array_equal(flats[0], flat)
     return order
+
+
+def test_ddps_reversed_rebuild_slices_the_residual_instead_of_copying_it():
+    """DDP's first bucket holds every parameter in the model's order, its rebuilt buckets in
+    the reverse: the first group's residual is reversed in place and the new groups take
+    slices of it, so the rebuild allocates no second residual (the hook peaked at 1.9x the
+    gradient bytes), and the new groups send what the old path's copies sent."""
+    sizes = [1 << 18, 1000, 1 << 17, 7, 1 << 16]
+    options = dict(quantize="ternary", error_feedback=True, seed=3)
+    sliced, copied = _engine(sizes, "float32", **options), _engine(sizes, "float32", **options)
+    copied._reversed = lambda key, slots: False  # the old path: each new group copies
+    extra = {}
+    tracemalloc.start()
+    try:
+        _rebuild_then_pack({True: sliced, False: copied}, sizes, None, extra, steps=3)
+    finally:
+        tracemalloc.stop()
+    assert extra[2, True] < 0.5 < extra[2, False], extra  # the copies: a second residual
+    residuals = [e.values for e in sliced._residuals.values()]
+    assert len(residuals) == 2 and residuals[0].base is residuals[1].base is not None
+    for b, residual in sliced.state_dict()["residuals"].items():
+        np.testing.assert_array_equal(residual, copied.state_dict()["residuals"][b])
 
 
 def test_groups_sharing_one_residual_are_cut_together_when_packing_starts():
