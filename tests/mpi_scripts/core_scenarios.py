@@ -132,13 +132,15 @@ def test_ternary():
     with ternary_scale="tensor", the whole bucket with "bucket", each run of 5 elements of a
     gradient with 5) the scale is the MAX over
     ranks of its largest |value + residual| over what is sent, and its codes are
-    stochastic_ternary's with the bucket's key moved to the segment's first payload value."""
+    stochastic_ternary's with the bucket's key moved to the segment's first payload value.
+    With ``stable_steps=2`` the second step is still dense with a residual (kept for the
+    survivors only: the oracle's is every coordinate's, 0 where pruned)."""
     masks = shared_masks()
-    for scale_mode in ("tensor", "bucket", 5):
+    for scale_mode, stable_steps in (("tensor", 1), ("bucket", 1), (5, 1), ("tensor", 2)):
         for error_feedback in (False, True):
             red = PacTrainReducer(masks, quantize="ternary", average=False, bucket_bytes=64,
                                   error_feedback=error_feedback, seed=5,
-                                  ternary_scale=scale_mode)
+                                  ternary_scale=scale_mode, stable_steps=stable_steps)
             for step in range(4):
                 rng = np.random.default_rng(step * 7 + rank)
                 grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
