@@ -1230,6 +1230,7 @@ class StepEngine:
         for group in self._groups.values():
             add("indices", group._positions)
             add("indices", group._bitmap)
+            add("indices", group._kept)
         for snapshot, _ in self._snapshots.values():
             add("snapshots", snapshot)
         for bits, _ in self._batches.values():
