@@ -278,7 +278,7 @@ def test_ternary_encode_kept_matches_the_reference():
 def test_compact_and_expand_are_the_masked_gather_and_scatter(xp):
     """The bitmap-driven pair against what it replaces, positions taken from the mask:
     compaction's prefix is the gather of the survivors, expansion the scatter of the payload,
-    both bit for bit (NaN/Inf included), on every route (CuPy arrays take the reference)."""
+    both bit for bit (NaN/Inf included), on every route."""
     rng = np.random.default_rng(11)
     for dtype in _xp_dtypes(xp):
         for size in (1, 9, 5003, BIG):

@@ -235,12 +235,14 @@ def compact(xp, flat, bits, count):
     (``packbits`` of the mask, 1 bit per coordinate: no position array): the lossless payload
     written over the bucket's own front, no buffer; the rest of ``flat`` as it was. Returns
     ``flat[:count]``. Compiled for NumPy arrays (one thread: moving forward in place does not
-    split into chunks); CuPy arrays take the reference, which copies the survivors first. A
-    ``count`` other than the bits' raises ValueError before anything moves."""
+    split into chunks); on CuPy arrays a CUDA kernel gathers the survivors into a buffer of
+    their size first (a GPU's threads cannot move them within one array). A ``count`` other
+    than the bits' raises ValueError before anything moves."""
     _check_bits("compact", bits, flat, count)
-    if backend(xp) != "numba" or not (flat.flags.c_contiguous and bits.flags.c_contiguous):
+    fused = _fused(xp, flat, bits)
+    if fused is None:
         return reference.compact(xp, flat, bits, count)
-    return _cpu().compact(flat, bits, count)
+    return fused.compact(flat, bits, count)
 
 
 def expand(xp, flat, bits, count, divisor=None):
@@ -248,9 +250,10 @@ def expand(xp, flat, bits, count, divisor=None):
     reduced payload of the ``count`` coordinates set in ``bits``) into ``flat``. Returns
     ``flat``."""
     _check_bits("expand", bits, flat, count)
-    if backend(xp) != "numba" or not (flat.flags.c_contiguous and bits.flags.c_contiguous):
+    fused = _fused(xp, flat, bits)
+    if fused is None:
         return reference.expand(xp, flat, bits, count, divisor)
-    return _cpu().expand(flat, bits, count, divisor)
+    return fused.expand(flat, bits, count, divisor)
 
 
 def absmax(xp, flat, indices, residual):

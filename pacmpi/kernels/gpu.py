@@ -23,7 +23,8 @@ import numpy as np
 
 from .reference import compute_dtype, digit_powers, division_tables
 
-__all__ = ["gather", "scatter", "absmax", "ternary_encode", "ternary_decode", "converts"]
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
+           "ternary_decode", "converts"]
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -171,6 +172,42 @@ __global__ void scatter(const T* payload, const I* indices, int packed, T* flat,
     }
 }
 
+// Driven by a mask's bits (packbits order: coordinate i is bit 7 - i % 8 of byte i / 8), 64
+// coordinates a thread: its survivors are payload values firsts[b] on (the bits set before
+// coordinate 64 b). Out of place: a GPU's threads cannot move survivors within one array.
+__device__ __forceinline__ int kept_bit(const unsigned char* bits, i64 i) {
+    return (bits[i >> 3] >> (7 - (i & 7))) & 1;
+}
+
+template<typename T>
+__global__ void gather_bits(const T* flat, const unsigned char* bits, const i64* firsts,
+                            i64 size, T* out) {
+    GRID_STRIDE(b, (size + 63) / 64) {
+        i64 j = firsts[b];
+        i64 stop = min(64 * b + 64, size);
+        for (i64 i = 64 * b; i < stop; ++i)
+            if (kept_bit(bits, i)) out[j++] = flat[i];
+    }
+}
+
+// Every coordinate written once: its survivor's payload value (divided as scatter does) or 0.
+template<typename T, typename D>
+__global__ void scatter_bits(const T* payload, const unsigned char* bits, const i64* firsts,
+                             i64 size, T* flat, D divisor, int divide) {
+    GRID_STRIDE(b, (size + 63) / 64) {
+        i64 j = firsts[b];
+        i64 stop = min(64 * b + 64, size);
+        for (i64 i = 64 * b; i < stop; ++i) {
+            if (kept_bit(bits, i)) {
+                T x = payload[j++];
+                flat[i] = divide ? divided(x, divisor) : x;
+            } else {
+                flat[i] = T();
+            }
+        }
+    }
+}
+
 // The maximum of |v| over the IEEE bits: for non-negative floats their order is the integer
 // order, NaN above Inf, so an integer atomicMax also reports non-finite values.
 template<typename T, typename C, typename I>
@@ -257,6 +294,8 @@ def expressions():
     """Every kernel instantiation the wrappers below launch."""
     for storage in ("float16", "bfloat16", "float32", "float64"):
         compute = "float64" if storage == "float64" else "float32"
+        yield _expression("gather_bits", storage)
+        yield _expression("scatter_bits", storage, compute)
         for index in INDEX_DTYPES:
             yield _expression("scatter", storage, compute, index)
             yield _expression("absmax", storage, compute, index)
@@ -334,6 +373,48 @@ def scatter(payload, indices, flat, divisor=None):
     *index, index_dtype = _indices(indices)
     _launch(_kernel("scatter", payload.dtype, value.dtype, index_dtype), count, payload, *index,
             flat, value, np.int32(divide), np.int64(count))
+    return flat
+
+
+_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+
+
+def _firsts(name, bits, size, count):
+    """The bits set before every 64th coordinate (int64 on the device, one more entry than
+    blocks: the total last), checked against ``count`` (one read back)."""
+    cupy = _cupy()
+    blocks = (size + 63) // 64
+    per_byte = cupy.zeros(blocks * 8, dtype=np.uint8)  # 1/32 of float32 gradients' bytes
+    per_byte[:bits.size] = cupy.asarray(_POPCOUNT)[bits]
+    firsts = cupy.zeros(blocks + 1, dtype=np.int64)
+    cupy.cumsum(per_byte.reshape(blocks, 8).sum(axis=1, dtype=np.int64), out=firsts[1:])
+    del per_byte
+    found = int(firsts[-1])
+    if found != count:
+        raise ValueError(f"{name}: the bits hold {found} survivors, not {count}")
+    return firsts
+
+
+def compact(flat, bits, count):
+    """``flat[:count] = flat[mask]`` through a payload-sized buffer (threads cannot move
+    values within one array safely); returns ``flat[:count]``."""
+    firsts = _firsts("compact", bits, flat.size, count)
+    survivors = _cupy().empty(count, dtype=flat.dtype)
+    _launch(_kernel("gather_bits", flat.dtype), (flat.size + 63) // 64, flat, bits, firsts,
+            np.int64(flat.size), survivors)
+    flat[:count] = survivors
+    return flat[:count]
+
+
+def expand(flat, bits, count, divisor=None):
+    """The inverse of :func:`compact`: ``flat[:count]`` scattered to the mask's coordinates
+    (divided as :func:`scatter` does), 0 elsewhere, through a payload-sized copy."""
+    firsts = _firsts("expand", bits, flat.size, count)
+    payload = flat[:count].copy()
+    divide = divisor is not None
+    value = compute_dtype(flat.dtype).type(flat.dtype.type(divisor if divide else 1))
+    _launch(_kernel("scatter_bits", flat.dtype, value.dtype), (flat.size + 63) // 64, payload,
+            bits, firsts, np.int64(flat.size), flat, value, np.int32(divide))
     return flat
 
 
