@@ -275,6 +275,31 @@ def test_ternary_encode_kept_matches_the_reference():
 
 
 @ON_EVERY_ROUTE
+def test_absmax_bits_on_every_route(xp):
+    """The scales through the bits on each route against the reference on the host: segments
+    starting anywhere (empty ones too), every dtype, NaN and Inf, with and without a residual;
+    every segment at once on the GPU."""
+    rng = np.random.default_rng(19)
+    for dtype in _xp_dtypes(xp):
+        compute = kernels.compute_dtype(dtype)
+        for size in (1, 7, 64, 200, 5003, BIG):
+            flat = _special(rng, _gradient(rng, size, dtype))
+            cuts = np.unique(np.concatenate([[0, size], rng.integers(0, size + 1, 6)]))
+            cuts = np.sort(np.concatenate([cuts, cuts[1:2]]))  # an empty segment
+            for mask in _masks(rng, size):
+                starts = np.array([int(mask[:c].sum()) for c in cuts])
+                which = np.flatnonzero(np.diff(starts))
+                for residual in (None, rng.standard_normal(starts[-1]).astype(compute)):
+                    want = reference.absmax_bits(np, flat, np.packbits(mask), residual, cuts,
+                                                 starts, which, np.full(cuts.size - 1, -1.0))
+                    got = kernels.absmax_bits(
+                        xp, xp.asarray(flat), xp.asarray(np.packbits(mask)),
+                        None if residual is None else xp.asarray(residual), cuts, starts,
+                        which, np.full(cuts.size - 1, -1.0))
+                    assert_same(got, want)
+
+
+@ON_EVERY_ROUTE
 def test_compact_and_expand_are_the_masked_gather_and_scatter(xp):
     """The bitmap-driven pair against what it replaces, positions taken from the mask:
     compaction's prefix is the gather of the survivors, expansion the scatter of the payload,

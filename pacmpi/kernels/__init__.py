@@ -273,8 +273,8 @@ def absmax_bits(xp, flat, bits, residual, offsets, starts, which, out):
     ``flat[offsets[s]:offsets[s + 1]]`` set in ``bits`` (``packbits`` of a mask of flat: no
     position array) plus ``residual[starts[s]:starts[s + 1]]`` (``starts[s]``: the survivors
     before ``offsets[s]``; ``residual=None``: none). Reads flat without changing it. Compiled
-    for NumPy arrays (one serial call for every segment); CuPy takes the reference. Returns
-    ``out`` (float64)."""
+    for NumPy arrays (one serial call for every segment) and CuPy arrays (one launch; segments
+    from coordinate 0). Returns ``out`` (a host float64 array)."""
     _check_bits("absmax_bits", bits, flat)
     offsets, starts = np.asarray(offsets, np.int64), np.asarray(starts, np.int64)
     if offsets.size != starts.size or offsets[-1] > flat.size or \
@@ -283,10 +283,10 @@ def absmax_bits(xp, flat, bits, residual, offsets, starts, which, out):
                          f"as many, within {flat.size} elements")
     _check_float("residual", residual, compute_dtype(flat.dtype), int(starts[-1]))
     which = np.asarray(which, np.int64)
-    if backend(xp) != "numba" or not all(a.flags.c_contiguous for a in (flat, bits) + (
-            () if residual is None else (residual,))):
+    fused = _fused(xp, flat, bits, residual)
+    if fused is None or (backend(xp) == "cupy" and (offsets[0] != 0 or starts[0] != 0)):
         return reference.absmax_bits(xp, flat, bits, residual, offsets, starts, which, out)
-    return _cpu().absmax_bits(flat, bits, residual, offsets, starts, which, out)
+    return fused.absmax_bits(flat, bits, residual, offsets, starts, which, out)
 
 
 def ternary_encode(xp, flat, indices, residual_in, residual_out, scale, key, codec, words_out):

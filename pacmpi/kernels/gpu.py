@@ -23,8 +23,8 @@ import numpy as np
 
 from .reference import compute_dtype, digit_powers, division_tables
 
-__all__ = ["gather", "scatter", "compact", "expand", "absmax", "ternary_encode",
-           "ternary_decode", "converts"]
+__all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits",
+           "ternary_encode", "ternary_decode", "converts"]
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -208,6 +208,39 @@ __global__ void scatter_bits(const T* payload, const unsigned char* bits, const 
     }
 }
 
+// Per segment s (coordinates offsets[s] up to offsets[s + 1]) the largest |value + residual|
+// over its survivors, as IEEE bits into tops[s] (atomicMax, as absmax below); a thread per 64
+// coordinates, the segment found by bisection, the residual of survivor number j (firsts).
+template<typename T, typename C>
+__global__ void absmax_bits(const T* flat, const unsigned char* bits, const i64* firsts,
+                            const C* residual, int add_residual, const i64* offsets,
+                            i64 segments, i64 size, u64* tops) {
+    GRID_STRIDE(b, (size + 63) / 64) {
+        i64 i = 64 * b, stop = min(min(64 * b + 64, size), offsets[segments]), j = firsts[b];
+        i64 lo = 0, hi = segments;  // the last segment starting at or before i
+        while (hi - lo > 1) {
+            i64 mid = (lo + hi) / 2;
+            if (offsets[mid] <= i) lo = mid; else hi = mid;
+        }
+        i64 s = lo;
+        u64 top = 0;
+        for (; i < stop; ++i) {
+            while (i >= offsets[s + 1]) {  // the next segment (empty ones skipped)
+                if (top) atomicMax(tops + s, top);
+                top = 0;
+                ++s;
+            }
+            if (kept_bit(bits, i)) {
+                C v = to_float(flat[i]);
+                if (add_residual) v = add_rn(v, residual[j]);
+                top = max(top, magnitude_bits(v));
+                ++j;
+            }
+        }
+        if (top) atomicMax(tops + s, top);
+    }
+}
+
 // The maximum of |v| over the IEEE bits: for non-negative floats their order is the integer
 // order, NaN above Inf, so an integer atomicMax also reports non-finite values.
 template<typename T, typename C, typename I>
@@ -295,6 +328,7 @@ def expressions():
     for storage in ("float16", "bfloat16", "float32", "float64"):
         compute = "float64" if storage == "float64" else "float32"
         yield _expression("gather_bits", storage)
+        yield _expression("absmax_bits", storage, compute)
         yield _expression("scatter_bits", storage, compute)
         for index in INDEX_DTYPES:
             yield _expression("scatter", storage, compute, index)
@@ -379,9 +413,9 @@ def scatter(payload, indices, flat, divisor=None):
 _POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
 
 
-def _firsts(name, bits, size, count):
+def _firsts(name, bits, size, count=None):
     """The bits set before every 64th coordinate (int64 on the device, one more entry than
-    blocks: the total last), checked against ``count`` (one read back)."""
+    blocks: the total last), checked against ``count`` when given (one read back)."""
     cupy = _cupy()
     blocks = (size + 63) // 64
     per_byte = cupy.zeros(blocks * 8, dtype=np.uint8)  # 1/32 of float32 gradients' bytes
@@ -389,7 +423,7 @@ def _firsts(name, bits, size, count):
     firsts = cupy.zeros(blocks + 1, dtype=np.int64)
     cupy.cumsum(per_byte.reshape(blocks, 8).sum(axis=1, dtype=np.int64), out=firsts[1:])
     del per_byte
-    found = int(firsts[-1])
+    found = count if count is None else int(firsts[-1])
     if found != count:
         raise ValueError(f"{name}: the bits hold {found} survivors, not {count}")
     return firsts
@@ -416,6 +450,25 @@ def expand(flat, bits, count, divisor=None):
     _launch(_kernel("scatter_bits", flat.dtype, value.dtype), (flat.size + 63) // 64, payload,
             bits, firsts, np.int64(flat.size), flat, value, np.int32(divide))
     return flat
+
+
+def absmax_bits(flat, bits, residual, offsets, starts, which, out):
+    """``out[s]`` (a host float64 array) for each ``s`` in ``which``: the largest
+    |value + residual| of segment ``s``'s survivors, every segment in one launch and one read
+    back. Segments from coordinate 0, each one's residual where the bits put it (``starts``)."""
+    cupy = _cupy()
+    compute = compute_dtype(flat.dtype)
+    segments = len(offsets) - 1
+    firsts = _firsts("absmax_bits", bits, flat.size)
+    tops = cupy.zeros(max(segments, 1), dtype=np.uint64)
+    _launch(_kernel("absmax_bits", flat.dtype, compute), (flat.size + 63) // 64, flat, bits,
+            firsts, *_optional(residual, compute), cupy.asarray(np.asarray(offsets, np.int64)),
+            np.int64(segments), np.int64(flat.size), tops)
+    found = cupy.asnumpy(tops)
+    found = found.view(np.float64) if compute == np.float64 else \
+        found.astype(np.uint32).view(np.float32).astype(np.float64)
+    out[which] = found[which]
+    return out
 
 
 def absmax(flat, indices, residual):
