@@ -235,15 +235,16 @@ def test_absmax_bits_matches_the_reference():
                                     np.float64(reference.absmax(np, flat, kept, part)))
 
 
-def test_ternary_encode_kept_matches_the_reference():
+@ON_EVERY_ROUTE
+def test_ternary_encode_kept_matches_the_reference(xp):
     """A dense payload whose residual is kept for the survivors only (the few steps a mask is
-    checked dense): the compiled kernel equals the reference bit for bit (words and residuals,
+    checked dense): the compiled kernels equal the reference bit for bit (words and residuals,
     in place or not) over every dtype, odd lengths, masks of every branch (0 and 1 survivors),
     NaN and Inf, segments starting anywhere; and the reference equals :func:`ternary_encode`
     with a full-length residual that is 0 where the mask prunes (what it replaces)."""
     rng = np.random.default_rng(17)
     codec = TernaryCodec(3)
-    for dtype in DTYPES:
+    for dtype in _xp_dtypes(xp):
         compute = kernels.compute_dtype(dtype)
         for size in (1, 7, 64, 200, 5003):
             flat = _special(rng, _gradient(rng, size, dtype))
@@ -258,9 +259,10 @@ def test_ternary_encode_kept_matches_the_reference():
                 starts = np.array([int(mask[:c].sum()) for c in cuts])
                 residual = (rng.standard_normal(starts[-1]) * 0.5).astype(compute)
                 words = np.zeros(word_starts[-1], codec.word_dtype)
+                host = [a.tolist() for a in (cuts, starts, word_starts, which, scales, keys)]
                 for residual_out in (residual, np.zeros_like(residual), None):
-                    check_both(np, "ternary_encode_kept", flat, bits, residual, residual_out,
-                               cuts, starts, word_starts, which, scales, keys, codec, words)
+                    check_both(xp, "ternary_encode_kept", flat, bits, residual, residual_out,
+                               *host, codec, words)
                 got = reference.ternary_encode_kept(np, flat, bits, residual, None, cuts, starts,
                                                     word_starts, which, scales, keys, codec,
                                                     words.copy())

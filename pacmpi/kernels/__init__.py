@@ -320,8 +320,11 @@ def ternary_encode_kept(xp, flat, bits, residual_in, residual_out, offsets, star
     ``residual_in[starts[s]:starts[s + 1]]``): the words and those residuals are the ones a
     full-length residual that is 0 elsewhere gives. ``residual_out`` (may be residual_in; None:
     not kept) gets theirs. Compiled for NumPy arrays (one serial call: it is the path of the
-    few steps a mask is checked dense); CuPy takes the reference. Returns ``words``."""
+    few steps a mask is checked dense) and CuPy arrays (one launch for the segments with words,
+    from coordinate 0). Returns ``words``."""
     _check_bits("ternary_encode_kept", bits, flat)
+    if residual_in is None:
+        raise ValueError("ternary_encode_kept: residual_in is required (the survivors' residual)")
     offsets, starts, word_starts = (np.asarray(a, np.int64) for a in (offsets, starts,
                                                                        word_starts))
     compute = compute_dtype(flat.dtype)
@@ -335,14 +338,14 @@ def ternary_encode_kept(xp, flat, bits, residual_in, residual_out, offsets, star
                          f"got {words.size} {words.dtype}")
     which = np.asarray(which, np.int64)
     scales, keys = np.asarray(scales, np.float64), np.asarray(keys, np.uint64)
-    arrays = (flat, bits, residual_in, words) + (() if residual_out is None else
-                                                 (residual_out,))
-    if backend(xp) != "numba" or not all(a.flags.c_contiguous for a in arrays):
+    fused = _fused(xp, flat, bits, residual_in, residual_out, words)
+    every = np.array_equal(which, np.flatnonzero(np.diff(word_starts)))  # (the GPU's launch)
+    if fused is None or (backend(xp) == "cupy" and (offsets[0] != 0 or not every)):
         return reference.ternary_encode_kept(xp, flat, bits, residual_in, residual_out,
                                              offsets, starts, word_starts, which, scales, keys,
                                              codec, words)
-    return _cpu().ternary_encode_kept(flat, bits, residual_in, residual_out, offsets, starts,
-                                      word_starts, which, scales, keys, codec, words)
+    return fused.ternary_encode_kept(flat, bits, residual_in, residual_out, offsets, starts,
+                                     word_starts, which, scales, keys, codec, words)
 
 
 def ternary_decode(xp, words, count, codec, ranks, scale, divisor, indices, flat):

@@ -24,7 +24,7 @@ import numpy as np
 from .reference import compute_dtype, digit_powers, division_tables
 
 __all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits",
-           "ternary_encode", "ternary_decode", "converts"]
+           "ternary_encode", "ternary_encode_kept", "ternary_decode", "converts"]
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -280,6 +280,42 @@ __global__ void ternary_encode(const T* flat, const I* indices, int packed,
     }
 }
 
+// ternary_encode of every coordinate of segment s (offsets[s] up to offsets[s + 1], dense, its
+// words from word_starts[s]) whose residual is kept for the coordinates set in bits only:
+// survivor number r's (firsts: the bits set before every 64th coordinate); the others add 0.
+template<typename T, typename C, typename W>
+__global__ void ternary_encode_kept(const T* flat, const unsigned char* bits, const i64* firsts,
+                                    const C* residual_in, C* residual_out, int keep_residual,
+                                    const i64* offsets, const i64* word_starts, i64 segments,
+                                    const int* positive, const C* scales, const float* scales32,
+                                    const u32* keys_lo, const u32* keys_hi, const u64* powers,
+                                    int k, W* words, i64 nwords) {
+    GRID_STRIDE(w, nwords) {
+        i64 lo = 0, hi = segments;  // the segment whose words hold word w
+        while (hi - lo > 1) {
+            i64 mid = (lo + hi) / 2;
+            if (word_starts[mid] <= w) lo = mid; else hi = mid;
+        }
+        i64 s = lo, first = offsets[s];
+        i64 j0 = first + (w - word_starts[s]) * k, stop = min(j0 + k, offsets[s + 1]);
+        i64 r = firsts[j0 / 64];
+        for (i64 i = j0 / 64 * 64; i < j0; ++i) r += kept_bit(bits, i);
+        u64 word = 0;
+        for (i64 j = j0; j < stop; ++j) {
+            int bit = kept_bit(bits, j);
+            C v = add_rn((C)to_float(flat[j]), bit ? residual_in[r] : (C)0);
+            int q = 0;
+            if (positive[s] && less(uniform(j - first, keys_lo[s], keys_hi[s]),
+                                    div_rn(narrow(magnitude(v)), scales32[s])))
+                q = negative(v) ? -1 : 1;
+            if (keep_residual && bit) residual_out[r] = sub_rn(v, mul_rn((C)q, scales[s]));
+            r += bit;
+            word += (u64)(q + 1) * powers[j - j0];
+        }
+        words[w] = (W)word;
+    }
+}
+
 // Digit d of a word is (word // base**d) - base * (word // base**(d+1)); each quotient is a
 // Granlund-Montgomery multiply (magics[d], shifts[d] divide by base**(d+1)).
 template<typename T, typename C, typename W, typename I>
@@ -335,6 +371,8 @@ def expressions():
             yield _expression("absmax", storage, compute, index)
             for word in ("uint32", "uint64"):
                 yield _expression("ternary_encode", storage, compute, word, index)
+                if index == "int64":  # no positions: one instantiation per word type
+                    yield _expression("ternary_encode_kept", storage, compute, word)
                 yield _expression("ternary_decode", storage, compute, word, index)
 
 
@@ -494,6 +532,32 @@ def ternary_encode(flat, indices, residual_in, residual_out, scale, key, codec, 
             np.float32(scale), np.uint32(key & 0xFFFFFFFF), np.uint32((key >> 32) & 0xFFFFFFFF),
             _table("powers", codec), np.int32(codec.digits_per_word), words,
             np.int64(words.size), np.int64(count))
+    return words_out
+
+
+def ternary_encode_kept(flat, bits, residual_in, residual_out, offsets, starts, word_starts,
+                        which, scales, keys, codec, words_out):
+    """:func:`pacmpi.kernels.reference.ternary_encode_kept` of every segment with words, in one
+    launch (a thread per word); segments from coordinate 0."""
+    cupy = _cupy()
+    compute = compute_dtype(flat.dtype)
+    words = _unsigned(words_out)
+    segments = len(offsets) - 1
+    firsts = _firsts("ternary_encode_kept", bits, flat.size)
+    host = {"offsets": np.asarray(offsets, np.int64), "word_starts": np.asarray(word_starts,
+                                                                               np.int64)}
+    keys = np.asarray(keys, np.uint64)
+    device = [cupy.asarray(a) for a in (
+        host["offsets"], host["word_starts"], (scales > 0).astype(np.int32),
+        scales.astype(compute), scales.astype(np.float32),
+        (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), (keys >> np.uint64(32)).astype(
+            np.uint32))]
+    nwords = int(host["word_starts"][-1])
+    _launch(_kernel("ternary_encode_kept", flat.dtype, compute, words.dtype), nwords, flat,
+            bits, firsts, residual_in, *_optional(residual_out, compute)[:1],
+            np.int32(residual_out is not None), device[0], device[1], np.int64(segments),
+            *device[2:], _table("powers", codec), np.int32(codec.digits_per_word), words,
+            np.int64(nwords))
     return words_out
 
 
