@@ -1007,17 +1007,19 @@ class StepEngine:
         shorter than it (compacted by :meth:`_Residual.aligned`) are moved, in the array's
         order, to its front and the array is cut in place; each then a slice of the cut array.
         Forward moves never overwrite a part not yet moved."""
-        shared = {}
+        shared, owners = {}, set()
         for entry in self._residuals.values():
             values = entry.values
             if isinstance(values, np.ndarray) and values.base is not None and \
                     values.base.ndim == 1 and values.base.flags.c_contiguous:
                 shared.setdefault(id(values.base), []).append(entry)
+            else:
+                owners.add(id(values))
         values = None
-        for entries in shared.values():
+        for key, entries in shared.items():
             base = entries[0].values.base
-            if sum(e.values.size for e in entries) == base.size:
-                continue  # nothing to cut
+            if key in owners or sum(e.values.size for e in entries) == base.size:
+                continue  # an entry's own array (never moved), or nothing to cut
             entries.sort(key=lambda e: _address(e.values))
             places, at = [], 0
             for entry in entries:
