@@ -162,4 +162,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from pacmpi.experiments.train import exit_after_gloo  # gloo may abort a finished rank
+
+    exit_after_gloo(main())
