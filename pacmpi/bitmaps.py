@@ -16,8 +16,8 @@ __all__ = ["Bitmap", "index_dtype"]
 # of bools (and up to 2 MiB of int64 positions) at a time, in cache, at a few kernel launches
 # per 1 Mi coordinates on a GPU.
 CHUNK = 1 << 18
-# Set bits per byte value.
-_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+# Set bits per byte value, for counting survivors from packed bits.
+POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
 
 
 def index_dtype(size):
@@ -144,7 +144,7 @@ class Bitmap:
         (a host int64 array): where a segment starting there begins among the survivors.
         One pass over the bytes, whatever the number of offsets."""
         xp = self.xp
-        table = xp.asarray(_POPCOUNT)
+        table = xp.asarray(POPCOUNT)
         out = np.empty(len(offsets), dtype=np.int64)
         total = done = 0
         for k, at in enumerate(int(o) for o in offsets):
@@ -153,7 +153,7 @@ class Bitmap:
                 total += int(table[self.bits[start:min(start + CHUNK, byte)]].sum(
                     dtype=np.int64))
             done = max(done, byte)
-            out[k] = total + (int(_POPCOUNT[int(self.bits[byte]) >> (8 - rest)]) if rest else 0)
+            out[k] = total + (int(POPCOUNT[int(self.bits[byte]) >> (8 - rest)]) if rest else 0)
         return out
 
     def positions(self):

@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from ..bitmaps import POPCOUNT
 from .reference import compute_dtype, digit_powers, division_tables
 
 __all__ = ["gather", "scatter", "compact", "expand", "absmax", "absmax_bits",
@@ -448,16 +449,13 @@ def scatter(payload, indices, flat, divisor=None):
     return flat
 
 
-_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
-
-
 def _firsts(name, bits, size, count=None):
     """The bits set before every 64th coordinate (int64 on the device, one more entry than
     blocks: the total last), checked against ``count`` when given (one read back)."""
     cupy = _cupy()
     blocks = (size + 63) // 64
     per_byte = cupy.zeros(blocks * 8, dtype=np.uint8)  # 1/32 of float32 gradients' bytes
-    per_byte[:bits.size] = cupy.asarray(_POPCOUNT)[bits]
+    per_byte[:bits.size] = cupy.asarray(POPCOUNT)[bits]
     firsts = cupy.zeros(blocks + 1, dtype=np.int64)
     cupy.cumsum(per_byte.reshape(blocks, 8).sum(axis=1, dtype=np.int64), out=firsts[1:])
     del per_byte
@@ -544,20 +542,17 @@ def ternary_encode_kept(flat, bits, residual_in, residual_out, offsets, starts, 
     words = _unsigned(words_out)
     segments = len(offsets) - 1
     firsts = _firsts("ternary_encode_kept", bits, flat.size)
-    host = {"offsets": np.asarray(offsets, np.int64), "word_starts": np.asarray(word_starts,
-                                                                               np.int64)}
     keys = np.asarray(keys, np.uint64)
     device = [cupy.asarray(a) for a in (
-        host["offsets"], host["word_starts"], (scales > 0).astype(np.int32),
-        scales.astype(compute), scales.astype(np.float32),
-        (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), (keys >> np.uint64(32)).astype(
-            np.uint32))]
-    nwords = int(host["word_starts"][-1])
+        np.asarray(offsets, np.int64), np.asarray(word_starts, np.int64),
+        (scales > 0).astype(np.int32), scales.astype(compute), scales.astype(np.float32),
+        (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+        (keys >> np.uint64(32)).astype(np.uint32))]
+    nwords = int(word_starts[-1])
     _launch(_kernel("ternary_encode_kept", flat.dtype, compute, words.dtype), nwords, flat,
-            bits, firsts, residual_in, *_optional(residual_out, compute)[:1],
-            np.int32(residual_out is not None), device[0], device[1], np.int64(segments),
-            *device[2:], _table("powers", codec), np.int32(codec.digits_per_word), words,
-            np.int64(nwords))
+            bits, firsts, residual_in, *_optional(residual_out, compute), device[0], device[1],
+            np.int64(segments), *device[2:], _table("powers", codec),
+            np.int32(codec.digits_per_word), words, np.int64(nwords))
     return words_out
 
 
