@@ -86,6 +86,21 @@ class Bitmap:
     def nbytes(self):
         return int(self.bits.nbytes)
 
+    def lend(self, parts):
+        """Let each of ``parts`` -- the masks of this one's consecutive stretches, in order
+        (Bitmaps equal to them; ``None`` skipped) -- that starts and ends on a byte of it hold
+        a view of these bits instead of its own copy: the very bytes ``packbits`` of the
+        stretch makes. The others keep theirs. The parts stay the same objects."""
+        at = 0
+        for part in parts:
+            if part is None:
+                continue
+            if at % 8 == 0 and part.size % 8 == 0:
+                part.bits = self.bits[at // 8:(at + part.size) // 8]
+            at += part.size
+        if at != self.size:
+            raise ValueError(f"the parts hold {at} coordinates, the mask {self.size}")
+
     @property
     def xp(self):
         return array_module(self.bits)

@@ -609,12 +609,18 @@ class StepEngine:
                     and last[3][1].matches(flats.whole)):
                 return last[1], last[2]  # every mask as at the last read, read as one array
             joined = (flats.token, Bitmap(flats.whole))
-        runs = list(self._mask_batches(flats))
-        unchanged = self._unchanged(runs)
+        # Joined masks are compared one by one when they are not read as before (a mask
+        # changed, or a new layout): the runs' bits, another copy of them, are not kept.
+        runs = [] if joined else list(self._mask_batches(flats))
+        unchanged = self._unchanged(runs) if not joined else {
+            b for b, flat in enumerate(flats) if flat is not None and b in self._snapshots
+            and self._snapshots[b][0].matches(flat)}
         unmasked = [b for b, flat in enumerate(flats) if flat is None]
         if last is not None and last[0] == unmasked and len(unchanged) + len(unmasked) == len(
                 flats):  # every mask as its snapshot, as at the last read: its result holds
             self._digests["observed"] = last[:3] + (joined,)
+            if joined:
+                joined[1].lend(last[1])
             return last[1], last[2]
         snapshots, observations = [], []
         for b, flat in enumerate(flats):
@@ -635,6 +641,8 @@ class StepEngine:
             observations.append(previous[1])
         # Each run kept with the snapshots its masks now match.
         self._batches = {run: (bits, [self._snapshots[b][0] for b in run]) for run, bits in runs}
+        if joined:  # the snapshots hold views of the masks' bits where they can
+            joined[1].lend(snapshots)
         self._digests["observed"] = (unmasked, snapshots, observations, joined)
         return snapshots, observations
 
@@ -1222,6 +1230,10 @@ class StepEngine:
         report, seen = dict.fromkeys(MEMORY_COMPONENTS, 0), set()
 
         def add(component, array):
+            if isinstance(array, Bitmap):  # its bits may be a view of the joined masks'
+                array = array.bits
+                while array.base is not None:
+                    array = array.base
             if array is not None and id(array) not in seen:
                 seen.add(id(array))
                 report[component] += int(array.nbytes)

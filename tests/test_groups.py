@@ -5,6 +5,7 @@ and the masked identity; the multi-rank checks are the DDP scenarios
 (tests/mpi_scripts/ddp_scenarios.py: equality with DDP's all-reduce at 2 and 4 ranks, a mask
 moved on one rank raising everywhere, resync)."""
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -462,6 +463,46 @@ def test_mask_binding_joins_only_masks_it_can():
         assert {n: m.data_ptr() for n, m in masks.items()} == pointers  # not moved
         np.testing.assert_array_equal(flats[0], shared.numpy().reshape(-1))
         np.testing.assert_array_equal(flats[2], masks["1.weight"].numpy().reshape(-1) != 0)
+
+
+def test_snapshots_of_joined_masks_are_views_of_their_bits_where_aligned():
+    """The engine keeps the joined masks' bits (to compare them as one array each step); the
+    snapshot of a mask starting and ending on a byte of them is a view of those bits, not a
+    second copy, and stays one when another mask changes (the old bits then let go): the
+    memory report counts the bits once. A 13-coordinate mask puts the ones after it off the
+    bytes: those keep their own bits (the control). Fingerprints and packing as before."""
+    sizes = [64, 3, 24, 13, 40, 16]
+    masked = [0, 2, 3, 4, 5]
+    rng = np.random.default_rng(4)
+    whole = rng.random(sum(sizes[b] for b in masked)) < 0.5
+    flats, at = [None] * len(sizes), 0
+    for b in masked:
+        flats[b] = whole[at:at + sizes[b]]
+        at += sizes[b]
+    reference = _engine(sizes, np.float32, stable_steps=1)
+    engine = _engine(sizes, np.float32, stable_steps=1)
+
+    def shared(engine):
+        bits = engine._digests["observed"][3][1].bits
+        return [b for b in masked if engine.tracker.buckets[b].mask.bits.base is bits]
+
+    old = None
+    for step in range(4):
+        if step == 2:  # a mask changes in place: compared one by one, bits joined anew
+            old = weakref.ref(engine._digests["observed"][3][1].bits)
+            whole[70] = not whole[70]
+        engine.begin_step(lambda: JoinedMasks(flats, whole, token=object()))
+        reference.begin_step(lambda: [None if f is None else f.copy() for f in flats])
+        assert shared(engine) == [0, 2]
+        for b in masked:
+            state, expected = engine.tracker.buckets[b], reference.tracker.buckets[b]
+            assert (state.fingerprint, state.packed) == (expected.fingerprint, expected.packed)
+            np.testing.assert_array_equal(state.mask.bits, expected.mask.bits)
+        copies = sum((sizes[b] + 7) // 8 for b in (3, 4, 5))
+        assert engine.memory_report()["snapshots"] == (whole.size + 7) // 8 + copies
+        engine.end_step()
+        reference.end_step()
+    assert old() is None
 
 
 @pytest.mark.parametrize("read", ["list", "joined", "joined anew"])
