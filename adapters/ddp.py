@@ -41,6 +41,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
 from pacmpi.adapters.masks import MaskBinding
@@ -141,8 +142,9 @@ class PacTrainHookState:
         self._model, self._collectives = model, None  # collectives on the parameters' device
         self._names, self._params, self._specs = self._bound.names, self._bound.params, specs
         self._slot = {id(p): i for i, p in enumerate(self._params)}
-        # _layout: [(parameter ids, slots, their size)] per DDP bucket of the last complete
-        # step, or None; _current: the same for the step in progress (None between steps).
+        # _layout: [(buffer's place, weak reference to its storage, slots, their size)] per
+        # DDP bucket of the last complete step, or None; _current: the same for the step in
+        # progress (None between steps).
         self._layout = self._current = None
         self._trusted, self._open, self._saw_last = False, set(), False
 
@@ -177,17 +179,22 @@ class PacTrainHookState:
 
     def _hook(self, bucket):
         index, last, buffer = bucket.index(), bucket.is_last(), bucket.buffer()
-        ids = tuple(map(id, bucket.parameters()))
+        # A DDP bucket keeps one buffer for its life, and a rebuild makes new ones: while the
+        # storage a layout entry saw is alive (its weak reference), no other buffer can hold
+        # its address, so the same address means the same bucket, whatever its number of
+        # parameters (reading them costs a tensor object each).
+        storage = buffer.untyped_storage()
+        place = (storage.data_ptr(), buffer.storage_offset(), buffer.numel())
         if index == 0 and self._current is not None:  # the last step never finished
             self.engine.abandon_step()
             self._current, self._open, self._saw_last = None, set(), False
         if index != 0 and self._current is None:
             raise RuntimeError(f"DDP bucket {index} reduced outside a step (bucket 0 failed?)")
         known = self._layout if index == 0 or self._trusted else None
-        self._trusted = bool(known) and index < len(known) and known[index][0] == ids and (
-            index == len(known) - 1) == last
+        self._trusted = bool(known) and index < len(known) and known[index][0] == place and (
+            not known[index][1].expired()) and (index == len(known) - 1) == last
         if self._trusted:
-            slots, size = known[index][1:]
+            slots, size = known[index][2:]
         else:
             slots = self._check_bucket(bucket, index, last)
             size = sum(self.engine.buckets[s].size for s in slots)
@@ -198,7 +205,7 @@ class PacTrainHookState:
                 self.engine.begin_step(self._flat_masks, None, self._write_masks,
                                        scale_flats=lambda: {slots: flat}, scale_units=(slots,))
                 self._current = []
-            self._current.append((ids, slots, size))
+            self._current.append((place, StorageWeakRef(storage), slots, size))
             self.engine.agree_scales({slots: flat})  # ternary: one MAX all-reduce, if any
             with self._lock:
                 wire, ctx = self.engine.encode(slots, flat, in_place=True)

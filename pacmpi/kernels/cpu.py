@@ -350,6 +350,14 @@ def _uniform(j, key_lo, key_hi):
 
 
 @njit(**_JIT)
+def _ternary_digit(v, u, positive, scale32):
+    """Value ``v``'s ternary digit (-1, 0 or 1): kept with probability ``|v| / scale`` (``u``
+    uniform), branch-free: the signs and draws are random, and a branch on them mispredicts."""
+    keep = positive & (u < np.float32(abs(v)) / scale32)
+    return np.int64(keep) * (np.int64(v > 0) * 2 - 1)
+
+
+@njit(**_JIT)
 def _zero_span(flat, indices, packed, first, stop, count):
     """Zero the span of ``flat`` that values ``first..stop-1`` own before they are written into
     it: from just after the previous value's position to their last position (packed), plus
@@ -505,8 +513,7 @@ def _ternary_encode(flat, indices, packed, residual_in, add_residual, residual_o
             v = _to_float(flat[_at(indices, packed, j)])
             if add_residual:
                 v += residual_in[np.uint64(j)]
-            keep = positive & (_uniform(j, key_lo, key_hi) < np.float32(abs(v)) / scale32)
-            q = (1 if v > 0 else -1) if keep else 0
+            q = _ternary_digit(v, _uniform(j, key_lo, key_hi), positive, scale32)
             if keep_residual:
                 residual_out[np.uint64(j)] = v - _as_float(q, v) * scale
             word += np.uint64(q + 1) * powers[np.uint64(j - first)]
@@ -570,38 +577,34 @@ def _bit_at(bits, i):
 
 @njit(error_model="numpy", **_JIT)
 def _absmax_bits(flat, bits, residual, has_residual, offsets, starts, which, out):
-    # Driven by the mask's bits, 64 coordinates at a time: their survivors are first moved to
-    # a small buffer branch-free (as _compact does in place: every value copied to buf[k],
-    # which only a survivor claims by advancing k; a random mask's bits are unpredictable),
-    # then the buffer and the next k residual values are read side by side in a loop that
-    # vectorizes. A pruned value (NaN included) is never read. The coordinates before a
-    # segment's first whole block and after its last go one by one.
+    # Driven by the mask's bits, 64 coordinates (a block) at a time: their survivors are first
+    # moved to a small buffer branch-free (as _compact does in place: every value copied to
+    # buf[k], which only a survivor claims by advancing k; a random mask's bits are
+    # unpredictable, and a branch per bit costs more than the copy), then the buffer and the
+    # next k residual values are read side by side in a loop that vectorizes. A segment's
+    # partial blocks at its ends go the same way, bit by bit (many small tensors are mostly
+    # such ends). A pruned value (NaN included) is never read.
     zero = _to_float(flat.dtype.type(0))
     buf = np.empty(64, flat.dtype)
     for w in range(which.size):
         s = which[w]
-        lo, hi = np.uint64(offsets[s]), np.uint64(offsets[s + 1])
+        i, hi = np.uint64(offsets[s]), np.uint64(offsets[s + 1])
         j = np.uint64(starts[s])
         top = np.uint64(0)
-        block_lo = (lo + np.uint64(63)) >> np.uint64(6)  # the segment's first whole block
-        block_hi = max(hi >> np.uint64(6), block_lo)     # and the end of its whole blocks
-        head = min(block_lo * np.uint64(64), hi)
-        for i in range(lo, head):
-            if _bit_at(bits, i):
-                v = _to_float(flat[i])
-                if has_residual:
-                    v += residual[j]
-                top = max(top, np.uint64(_float_bits(abs(v))))
-                j += _ONE
-        for block in range(block_lo, block_hi):
-            first = block * np.uint64(64)
+        while i < hi:
+            stop = min(hi, ((i >> np.uint64(6)) + _ONE) << np.uint64(6))
             k = np.uint64(0)
-            for byte in range(8):
-                b = np.uint64(bits[block * np.uint64(8) + np.uint64(byte)])
-                at = first + np.uint64(byte * 8)
-                for t in range(8):
-                    buf[k] = flat[at + np.uint64(t)]
-                    k += (b >> np.uint64(7 - t)) & _ONE
+            if stop - i == np.uint64(64):
+                for byte in range(8):
+                    b = np.uint64(bits[(i >> np.uint64(3)) + np.uint64(byte)])
+                    at = i + np.uint64(byte * 8)
+                    for t in range(8):
+                        buf[k] = flat[at + np.uint64(t)]
+                        k += (b >> np.uint64(7 - t)) & _ONE
+            else:
+                for c in range(i, stop):
+                    buf[k] = flat[c]
+                    k += _bit_at(bits, c)
             if has_residual:
                 for q in range(k):
                     v = _to_float(buf[q]) + residual[j + np.uint64(q)]
@@ -610,13 +613,7 @@ def _absmax_bits(flat, bits, residual, has_residual, offsets, starts, which, out
                 for q in range(k):
                     top = max(top, np.uint64(_float_bits(abs(_to_float(buf[q])))))
             j += k
-        for i in range(max(block_hi * np.uint64(64), head), hi):
-            if _bit_at(bits, i):
-                v = _to_float(flat[i])
-                if has_residual:
-                    v += residual[j]
-                top = max(top, np.uint64(_float_bits(abs(v))))
-                j += _ONE
+            i = stop
         out[s] = np.float64(_bits_float(top, zero))
 
 
@@ -624,23 +621,29 @@ def _absmax_bits(flat, bits, residual, has_residual, offsets, starts, which, out
 def _ternary_encode_segments(flat, indices, packed, residual_in, add_residual, residual_out,
                              keep_residual, starts, word_starts, which, positive, scales,
                              scales32, keys_lo, keys_hi, powers, words):
+    # A word's digits first (a loop over its values that vectorizes), then the word.
     k = powers.size
+    digits = np.empty(k, np.uint64)
     for i in range(which.size):
         s = which[i]
         first, stop = starts[s], starts[s + 1]
+        positive_s, scale, scale32 = positive[s], scales[s], scales32[s]
+        key_lo, key_hi = keys_lo[s], keys_hi[s]
         for w in range(word_starts[s], word_starts[s + 1]):
             j0 = first + (w - word_starts[s]) * k
-            word = np.uint64(0)
-            for j in range(j0, min(j0 + k, stop)):
+            n = min(j0 + k, stop) - j0
+            for d in range(n):
+                j = j0 + d
                 v = _to_float(flat[_at(indices, packed, j)])
                 if add_residual:
                     v += residual_in[np.uint64(j)]
-                keep = positive[s] & (_uniform(j - first, keys_lo[s], keys_hi[s])
-                                      < np.float32(abs(v)) / scales32[s])
-                q = (1 if v > 0 else -1) if keep else 0
+                q = _ternary_digit(v, _uniform(j - first, key_lo, key_hi), positive_s, scale32)
                 if keep_residual:
-                    residual_out[np.uint64(j)] = v - _as_float(q, v) * scales[s]
-                word += np.uint64(q + 1) * powers[np.uint64(j - j0)]
+                    residual_out[np.uint64(j)] = v - _as_float(q, v) * scale
+                digits[d] = np.uint64(q + 1)
+            word = np.uint64(0)
+            for d in range(n):
+                word += digits[d] * powers[d]
             words[np.uint64(w)] = word
 
 
@@ -664,9 +667,8 @@ def _ternary_encode_kept(flat, bits, residual_in, residual_out, keep_residual, o
                 bit = _bit_at(bits, np.uint64(j))
                 v = _to_float(flat[np.uint64(j)])
                 v += residual_in[r] if bit else zero
-                keep = positive[s] & (_uniform(j - first, keys_lo[s], keys_hi[s])
-                                      < np.float32(abs(v)) / scales32[s])
-                q = (1 if v > 0 else -1) if keep else 0
+                q = _ternary_digit(v, _uniform(j - first, keys_lo[s], keys_hi[s]), positive[s],
+                                   scales32[s])
                 if keep_residual and bit:
                     residual_out[r] = v - _as_float(q, v) * scales[s]
                 r += bit
