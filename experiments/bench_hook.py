@@ -18,8 +18,9 @@ hook's concatenation of masks it cannot lay out in one storage) show in ``rss`` 
 ``--part time``: DDP (gloo, one thread per rank) of such ``Linear(width, width)`` layers
 with the given numbers of parameter tensors at about the same parameter count (the width
 shrinks as the layers multiply), weights pruned 0.5; plain DDP, the hook lossless and ternary;
-the mean step (forward, backward, the all-reduces) over ``--steps`` after warm-up steps, the
-slowest rank's, and pacmpi's own time in it (the hook's calls and its decodes): wall time,
+the median step (forward, backward, the all-reduces) over ``--steps`` after warm-up steps, the
+slowest rank's, every model stepped in turn (so every row sees the machine's drift alike), and
+pacmpi's own time in it (the hook's calls and its decodes): wall time,
 which includes the verification all-reduce's wait for the slower rank and a decode's waits for
 the GIL (the transport's thread decodes while the training thread runs Python), and CPU time
 (``time.thread_time`` of the thread each of those calls ran on), which includes neither.
@@ -125,69 +126,75 @@ class DevicePeak:
 
 
 # ---------------------------------------------------------------- DDP
-def _ddp_run(dist, model, density, mode, steps, batch=32, timed=False, masks=None):
-    """Train ``steps`` steps (``masks``: the user's, else made here at ``density``); returns
-    (engine or None, seconds per step, pacmpi seconds per step) over the last ``steps`` (after
-    3 untimed ones when ``timed``)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class _Job:
+    """One DDP model trained by :meth:`step` (``mode`` "plain", or the hook lossless or
+    ternary with ``masks``: the user's, else made here at ``density``), timing pacmpi's own
+    calls: the hook's and its decodes, wall and this thread's CPU seconds."""
 
-    from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
+    def __init__(self, dist, model, density, mode, masks=None, batch=32):
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, gradient_as_bucket_view=True)
-    state, own = None, [0.0, 0.0]  # the hook's calls: wall and this thread's CPU seconds
-    if mode != "plain":
-        masks = _masks(model, density) if masks is None else masks
-        state = PacTrainHookState(model, masks, quantize=MODES[mode],
-                                  error_feedback=mode == "ternary")  # its largest case
+        from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
 
-        def timed(call):  # adds its wall and this thread's CPU seconds to own
-            @functools.wraps(call)  # DDP reads the hook's parameter names
-            def run(*args):
-                started, cpu = time.perf_counter(), time.thread_time()
-                try:
-                    return call(*args)
-                finally:
-                    own[0] += time.perf_counter() - started
-                    own[1] += time.thread_time() - cpu
-            return run
+        self.dist, self.model = dist, model
+        self.ddp = DDP(model, gradient_as_bucket_view=True)
+        self.state, self._own = None, [0.0, 0.0]
+        if mode != "plain":
+            masks = _masks(model, density) if masks is None else masks
+            self.state = PacTrainHookState(model, masks, quantize=MODES[mode],
+                                           error_feedback=mode == "ternary")  # its largest case
+            timed = self._timed
 
-        @timed
-        def hook(state, bucket):
-            if state.engine is None:  # made at the first call: its decodes, on the
-                state.bind()  # transport's thread, count too (CPU: that thread's)
-                state.engine.decode = timed(state.engine.decode)
-            return pactrain_hook(state, bucket)
+            @timed
+            def hook(state, bucket):
+                if state.engine is None:  # made at the first call: its decodes, on the
+                    state.bind()  # transport's thread, count too (CPU: that thread's)
+                    state.engine.decode = timed(state.engine.decode)
+                return pactrain_hook(state, bucket)
 
-        ddp.register_comm_hook(state, hook)
-    def spent():  # pacmpi's wall and CPU seconds so far: the hook's calls and its decodes
-        return np.array(own)
+            self.ddp.register_comm_hook(self.state, hook)
+        width, self._device = model[0].in_features, model[0].weight.device
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        self._inputs = torch.randn(batch, width, generator=generator).to(self._device)
 
-    width, device = model[0].in_features, model[0].weight.device
-    inputs = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank()))
-    inputs = inputs.to(device)
-    warmup = 3 if timed else 0
-    seconds = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        own_before = spent()
+    @property
+    def engine(self):
+        return self.state.engine if self.state else None
+
+    def _timed(self, call):
+        """``call``, adding its wall and this thread's CPU seconds to the job's."""
+        own = self._own
+
+        @functools.wraps(call)  # DDP reads the hook's parameter names
+        def run(*args):
+            started, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return call(*args)
+            finally:
+                own[0] += time.perf_counter() - started
+                own[1] += time.thread_time() - cpu
+        return run
+
+    def step(self):
+        """One step (after a barrier): its (seconds, pacmpi's wall seconds, its CPU seconds)."""
+        self.dist.barrier()
+        before = np.array(self._own)
         started = time.perf_counter()
-        ddp(inputs).square().mean().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        self.ddp(self._inputs).square().mean().backward()
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
         elapsed = time.perf_counter() - started
-        own_after = spent()
-        if i >= warmup:
-            seconds.append((elapsed, *(own_after - own_before)))
-        model.zero_grad(set_to_none=False)
-    step, mine, cpu = np.mean(seconds, axis=0) if seconds else (0.0, 0.0, 0.0)
-    return (state.engine if state else None), float(step), float(mine), float(cpu)
+        mine, cpu = np.array(self._own) - before
+        self.model.zero_grad(set_to_none=False)
+        return elapsed, mine, cpu
 
 
 def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
                modes=("lossless", "ternary"), steps=4, device="cpu"):
     kernels.warm_up([np.float32])  # compile (or load) the kernels: not a step's memory
     for mode in ("plain",) + tuple(modes):  # warm torch's allocator
-        _ddp_run(dist, _stack(2, 64, device=device), 0.5, mode, 2)
+        job = _Job(dist, _stack(2, 64, device=device), 0.5, mode)
+        job.step(), job.step()
     rows = []
     for density in densities:
         baseline = None
@@ -195,7 +202,10 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
             model = _stack(layers, width, device=device)
             masks = _masks(model, density)  # the user's, as the model: not pacmpi's memory
             peak = (DevicePeak() if device == "cuda" else ResidentPeak()).start()
-            engine = _ddp_run(dist, model, density, mode, steps, masks=masks)[0]
+            job = _Job(dist, model, density, mode, masks=masks)
+            for _ in range(steps):
+                job.step()
+            engine = job.engine
             peaks = peak.stop()
             report = engine.memory_report() if engine else {}
             del engine
@@ -209,7 +219,7 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
                 rows.append(_max_over_ranks(dist, ratio_row(
                     report, _grad_bytes(model), peaks, frontend="ddp", mode=mode,
                     density=density)))
-            del model, masks
+            del model, masks, job
             gc.collect()
     return rows
 
@@ -223,27 +233,43 @@ def _max_over_ranks(dist, row):
 
 
 def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossless",
-                                                                   "ternary"), device="cpu"):
-    """Rows per (tensors, mode): ms per step, pacmpi's ms in it and its CPU ms (slowest
-    rank's). The first count uses ``Linear(width, width)``; the others the width giving about
-    the same parameter count."""
+                                                                   "ternary"), device="cpu",
+             in_turn=True):
+    """Rows per (tensors, mode): ms per step, pacmpi's ms in it and its CPU ms, each the
+    median over ``steps`` steps (after 3 untimed ones) of the slowest rank's. The first count
+    uses ``Linear(width, width)``; the others the width giving about the same parameter count.
+    ``in_turn``: every model is stepped in turn, one step each, so that all rows see the
+    machine as it is at the same moments (on a shared machine the speed drifts within a run),
+    and each step runs after the other models' (as a training step runs after the optimizer's
+    and the data loader's work: pacmpi's code and arrays are not left in the CPU's caches by
+    the step before); else each model's steps run back to back, one model after another."""
     torch.set_num_threads(1)
     layers0 = tensors[0] // 2
     params = layers0 * (width * width + width)
-    rows = []
+    jobs = {}
     for count in tensors:
         layers = count // 2
         w = width if count == tensors[0] else _width_for(params // layers)
         for mode in modes:
-            model = _stack(layers, w, device=device)
-            times = _ddp_run(dist, model, 0.5, mode, steps, timed=True)[1:]
-            times = torch.tensor(times, dtype=torch.float64, device=_comm_device(dist))
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            step, mine, cpu = (t * 1e3 for t in times.tolist())
-            rows.append({"tensors": count, "layers": layers, "width": w,
-                         "params": sum(p.numel() for p in model.parameters()), "mode": mode,
-                         "step_ms": step, "pacmpi_ms": mine if mode != "plain" else None,
-                         "pacmpi_cpu_ms": cpu if mode != "plain" else None})
+            jobs[count, mode] = _Job(dist, _stack(layers, w, device=device), 0.5, mode)
+    times = {key: [] for key in jobs}
+    order = [(i, key) for i in range(3 + steps) for key in jobs] if in_turn else \
+        [(i, key) for key in jobs for i in range(3 + steps)]
+    for i, key in order:
+        measured = jobs[key].step()
+        if i >= 3:
+            times[key].append(measured)
+    rows = []
+    for (count, mode), job in jobs.items():
+        steps_max = torch.tensor(times[count, mode], dtype=torch.float64,
+                                 device=_comm_device(dist))
+        dist.all_reduce(steps_max, op=dist.ReduceOp.MAX)  # the slowest rank's, step by step
+        step, mine, cpu = np.median(steps_max.cpu().numpy(), axis=0) * 1e3
+        model = job.model
+        rows.append({"tensors": count, "layers": len(model), "width": model[0].in_features,
+                     "params": sum(p.numel() for p in model.parameters()), "mode": mode,
+                     "step_ms": step, "pacmpi_ms": mine if mode != "plain" else None,
+                     "pacmpi_cpu_ms": cpu if mode != "plain" else None})
     return rows
 
 
@@ -324,6 +350,9 @@ def build_parser(parser=None):
     parser.add_argument("--time-width", type=int, default=64,
                         help="time part: the width at the first tensor count")
     parser.add_argument("--steps", type=int, default=20, help="time part: timed steps")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="time part: each model's steps back to back (default: the models "
+                             "stepped in turn, one step each)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="DDP on CPU (gloo) or on CUDA tensors (NCCL, a GPU per rank)")
     parser.add_argument("--json", default=None, help="write the report here (rank 0)")
@@ -346,7 +375,8 @@ def main(argv=None):
         # every allocation after it.
         if args.part in ("time", "all"):
             report["time"] = run_time(dist, [int(t) for t in args.tensors.split(",")],
-                                      args.time_width, args.steps, device=args.device)
+                                      args.time_width, args.steps, device=args.device,
+                                      in_turn=not args.back_to_back)
         if args.part in ("memory", "all"):
             report["memory"] = run_memory(dist, args.layers, args.width, densities,
                                           device=args.device)
@@ -358,11 +388,13 @@ def main(argv=None):
             print(format_memory_table(report["memory"]))
         if "time" in report:
             print(f"DDP step time, {'NCCL on CUDA' if args.device == 'cuda' else 'gloo'}, "
-                  f"{size} ranks, 1 thread per rank, weights pruned 0.5, mean of {args.steps} "
-                  f"steps")
+                  f"{size} ranks, 1 thread per rank, weights pruned 0.5, median of {args.steps} "
+                  f"steps, the models {'one after another' if args.back_to_back else 'in turn'}")
             print(format_time_table(report["time"]))
         if args.json:
-            harness.write_report(args.json, dict(report, ranks=size, device=args.device),
+            order = "back to back" if args.back_to_back else "in turn"
+            harness.write_report(args.json, dict(report, ranks=size, device=args.device,
+                                                  steps_order=order),
                                  "pacmpi bench hook")
     if args.frontend == "ddp":  # gloo may abort a finished rank at interpreter exit
         from pacmpi.experiments.train import exit_after_gloo
