@@ -236,7 +236,7 @@ def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossl
                                                                    "ternary"), device="cpu",
              in_turn=True):
     """Rows per (tensors, mode): ms per step, pacmpi's ms in it and its CPU ms, each the
-    median over ``steps`` steps (after 3 untimed ones) of the slowest rank's. The first count
+    median over ``steps`` steps (after 3 untimed ones), the slowest rank's. The first count
     uses ``Linear(width, width)``; the others the width giving about the same parameter count.
     ``in_turn``: every model is stepped in turn, one step each, so that all rows see the
     machine as it is at the same moments (on a shared machine the speed drifts within a run),
@@ -261,10 +261,10 @@ def run_time(dist, tensors=(40, 400), width=64, steps=20, modes=("plain", "lossl
             times[key].append(measured)
     rows = []
     for (count, mode), job in jobs.items():
-        steps_max = torch.tensor(times[count, mode], dtype=torch.float64,
-                                 device=_comm_device(dist))
-        dist.all_reduce(steps_max, op=dist.ReduceOp.MAX)  # the slowest rank's, step by step
-        step, mine, cpu = np.median(steps_max.cpu().numpy(), axis=0) * 1e3
+        medians = torch.tensor(np.median(times[count, mode], axis=0), dtype=torch.float64,
+                               device=_comm_device(dist))
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
+        step, mine, cpu = (float(t) * 1e3 for t in medians.tolist())
         model = job.model
         rows.append({"tensors": count, "layers": len(model), "width": model[0].in_features,
                      "params": sum(p.numel() for p in model.parameters()), "mode": mode,
