@@ -139,7 +139,9 @@ class _Job:
         self.dist, self.model = dist, model
         self.ddp = DDP(model, gradient_as_bucket_view=True)
         self.state, self._own = None, [0.0, 0.0]
-        if mode != "plain":
+        if mode == "control":
+            self._control_hook(model)
+        elif mode != "plain":
             masks = _masks(model, density) if masks is None else masks
             self.state = PacTrainHookState(model, masks, quantize=MODES[mode],
                                            error_feedback=mode == "ternary")  # its largest case
@@ -156,6 +158,28 @@ class _Job:
         width, self._device = model[0].in_features, model[0].weight.device
         generator = torch.Generator().manual_seed(dist.get_rank())
         self._inputs = torch.randn(batch, width, generator=generator).to(self._device)
+
+    def _control_hook(self, model):
+        """DDP's default all-reduce, after pacmpi reduces a gradient of its own inside the hook:
+        one tensor of the model's parameter count, masked at 0.5, lossless, the same every
+        step (timed as pacmpi's). What pacmpi's time does with the model's number of tensors
+        when its work does not depend on it at all: the control for the "pacmpi" rows."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from pacmpi import PacTrainReducer
+        from pacmpi.adapters.torch_collectives import TorchDistCollectives
+
+        size = sum(p.numel() for p in model.parameters())
+        grad = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+        reducer = PacTrainReducer([random_mask(size, 0.5, seed=0)],
+                                  collectives=TorchDistCollectives())
+        reduce = self._timed(reducer.reduce)
+
+        def hook(state, bucket):
+            reduce([grad])
+            return allreduce_hook(state, bucket)
+
+        self.ddp.register_comm_hook(None, hook)
 
     @property
     def engine(self):
@@ -350,6 +374,9 @@ def build_parser(parser=None):
     parser.add_argument("--time-width", type=int, default=64,
                         help="time part: the width at the first tensor count")
     parser.add_argument("--steps", type=int, default=20, help="time part: timed steps")
+    parser.add_argument("--control", action="store_true",
+                        help="time part: add a control row per tensor count: DDP's default "
+                             "all-reduce, pacmpi reducing one fixed tensor in the hook")
     parser.add_argument("--back-to-back", action="store_true",
                         help="time part: each model's steps back to back (default: the models "
                              "stepped in turn, one step each)")
@@ -376,7 +403,9 @@ def main(argv=None):
         if args.part in ("time", "all"):
             report["time"] = run_time(dist, [int(t) for t in args.tensors.split(",")],
                                       args.time_width, args.steps, device=args.device,
-                                      in_turn=not args.back_to_back)
+                                      in_turn=not args.back_to_back,
+                                      modes=("plain", "lossless", "ternary")
+                                      + ("control",) * args.control)
         if args.part in ("memory", "all"):
             report["memory"] = run_memory(dist, args.layers, args.width, densities,
                                           device=args.device)

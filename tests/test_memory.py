@@ -204,11 +204,12 @@ def test_bench_hook_rows_on_two_ranks(tmp_path):
     """``pacmpi bench hook`` on 2 ranks, both parts, small: every rank exits 0 (gloo's exit
     abort once failed it); memory rows add up, the lossless hook keeps no payload (its DDP
     buckets are compacted in place, driven by a bitmap); time rows carry pacmpi's wall and
-    CPU time."""
+    CPU time, the control rows (pacmpi reducing a tensor of its own in DDP's hook) too."""
     out = tmp_path / "hook.json"
     argv = mpirun_argv(2) + [sys.executable, "-m", "pacmpi.cli", "bench", "hook", "--layers",
                              "2", "--width", "64", "--densities", "0.5", "--tensors", "4,8",
-                             "--time-width", "16", "--steps", "2", "--json", str(out)]
+                             "--time-width", "16", "--steps", "2", "--control",
+                             "--json", str(out)]
     done = run_bounded(argv, timeout=240, what="pacmpi bench hook",
                        env=dict(os.environ, MASTER_PORT="29541", OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -221,7 +222,7 @@ def test_bench_hook_rows_on_two_ranks(tmp_path):
     assert rows["lossless"]["payloads"] == 0 and 0 < rows["lossless"]["indices"] <= 1 / 32
     timed = [row for row in report["time"] if row["mode"] != "plain"]
     assert [(row["tensors"], row["mode"]) for row in timed] == [
-        (4, "lossless"), (4, "ternary"), (8, "lossless"), (8, "ternary")]
+        (count, mode) for count in (4, 8) for mode in ("lossless", "ternary", "control")]
     assert all(0 < row["pacmpi_cpu_ms"] and 0 < row["pacmpi_ms"] < row["step_ms"]
                for row in timed)
     assert "cpu(ms)" in done.stdout
