@@ -218,7 +218,8 @@ def run_memory(dist, layers=8, width=1024, densities=(1.0, 0.5, 0.2),
     kernels.warm_up([np.float32])  # compile (or load) the kernels: not a step's memory
     for mode in ("plain",) + tuple(modes):  # warm torch's allocator
         job = _Job(dist, _stack(2, 64, device=device), 0.5, mode)
-        job.step(), job.step()
+        for _ in range(2):
+            job.step()
     rows = []
     for density in densities:
         baseline = None

