@@ -141,6 +141,10 @@ def warm_up(dtypes=None):
             words = table.encode(np, flat, residual, residual, scales, 0, codec,
                                  np.empty(table.words, codec.word_dtype))
             table.decode(np, words, codec, 2, scales, 2, flat)
+            # The in-place route: survivors already at the front, no positions.
+            words = table.encode(np, flat, residual, residual, scales, 0, codec,
+                                 np.empty(table.words, codec.word_dtype), compact=True)
+            table.decode(np, words, codec, 2, scales, 2, flat, compact=True)
             ternary_encode_kept(np, flat, bits, residual, residual, [0, flat.size],
                                 [0, count], [0, codec.words_for(flat.size)], [0], scales[:1], [0],
                                 codec,
