@@ -1,12 +1,17 @@
-"""``pacmpi train``: pretrain a small CNN densely, prune it, and fine-tune it data-parallel with
-PacTrain (or a baseline) over MPI -- the product's main job.
+"""``pacmpi train``: prune a model and fine-tune it data-parallel with PacTrain or a baseline over
+MPI, Horovod or DDP; rank 0 prints each epoch's test accuracy and the per-step time split, and
+``--json`` writes the whole result.
 
+The product's main job. The model is a small CNN or MLP pretrained densely first (``--dataset
+digits|digits32|cifar10``) or the pretrained MiniLM text encoder, fine-tuned for code search
+(``--dataset codesearch``: ``--model minilm`` and ``--pretrain-epochs 0`` by default).
 Steps: (1) pretrain densely on rank 0 (the other ranks wait without spinning) or load the
-``--pretrained`` cache; (2) broadcast the weights; (3) prune to ``--ratio`` (rank 0 decides and
-broadcasts the masks) or follow a ``--gradual`` schedule; (4) fine-tune with gradient sparsity
-enforcement (:class:`~pacmpi.adapters.pruning.MaskEnforcer`) and the chosen gradient
-synchronization (``--method``); (5) after every epoch broadcast rank 0's BatchNorm statistics and
-report test accuracy, the step-time split (compute / pack / communication / unpack), bytes sent
+``--pretrained`` cache (0 epochs for a model that comes pretrained); (2) broadcast the weights;
+(3) prune to ``--ratio`` (rank 0 decides and broadcasts the masks) or follow a ``--gradual``
+schedule; (4) fine-tune with gradient sparsity enforcement
+(:class:`~pacmpi.adapters.pruning.MaskEnforcer`) and the chosen gradient synchronization
+(``--method``); (5) after every epoch broadcast rank 0's BatchNorm statistics and report test
+accuracy, the step-time split (compute / pack / communication / unpack), bytes sent
 and dense fallbacks. Run it under ``mpirun -n 4 pacmpi train ...``, with ``--backend horovod``
 under ``horovodrun -np 4`` (Gloo or MPI controller) or ``mpirun -n 4``, or with ``--backend ddp``
 (DistributedDataParallel; PacTrain as its communication hook) under torchrun::
@@ -65,6 +70,7 @@ from pacmpi.adapters.torch_sync import (
     broadcast_object,
     broadcast_parameters,
 )
+from pacmpi.cli_options import command_parser
 from pacmpi.collectives import allreduce_algorithm
 from pacmpi.engine import check_options
 from pacmpi.experiments.baselines import make_baseline, make_sync
@@ -82,6 +88,7 @@ from pacmpi.experiments.data import (
 )
 from pacmpi.experiments.models import MODELS, PRETRAINED_MODELS, build_model, count_parameters
 from pacmpi.methods import ALLREDUCE_METHODS, METHODS, lookup_method
+from pacmpi.units import parse_size
 
 __all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "exit_after_gloo",
            "fine_tune", "main", "pretrained_state", "run"]
@@ -102,57 +109,130 @@ BACKENDS = tuple(BACKEND_METHODS)
 # digits32: the digits upscaled to 32x32; codesearch: docstring <-> signature retrieval
 # (pacmpi.experiments.codesearch), fine-tuning the pretrained MiniLM.
 DATASETS = ("digits", "digits32", "cifar10", "codesearch")
-DEFAULT_MODELS = {"cifar10": "cifar_cnn", "digits32": "resnet18", "codesearch": "minilm"}
+DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "cifar_cnn", "digits32": "resnet18",
+                  "codesearch": "minilm"}
+
+
+def _ternary_scale(text):
+    """``--ternary-scale``: a name, or digits for blocks of that many elements (checked by
+    :func:`pacmpi.engine.check_options` with the rest of the config)."""
+    return int(text) if text.isdigit() else text
+
+
+def knob(default, help, **argparse_options):
+    """A :class:`TrainConfig` field: its ``default``, its ``--help`` text and any other argparse
+    options of its flag (``choices``, ``type``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_options})
 
 
 @dataclasses.dataclass
 class TrainConfig:
     """Every knob of the job; the command-line flags carry the same names (``--batch-size``)."""
 
-    dataset: str = "digits"            # "digits" (scikit-learn, offline), "digits32", "cifar10"
-    #                                    or "codesearch" (text retrieval, pretrained MiniLM)
-    data_dir: Optional[str] = None     # CIFAR-10 location (never downloaded)
-    # digits_cnn | mlp | cifar_cnn | resnet18 | minilm (default by dataset)
-    model: Optional[str] = None
-    width: int = 32                    # CNN channels of the first conv
-    hidden: str = "256"                # hidden units: one int (CNN) or a list "2048,1024" (MLP)
-    pretrained: Optional[str] = None   # cache of the densely pretrained model
-    # dense epochs on rank 0 before pruning; default 10, 0 for a model that comes pretrained
-    pretrain_epochs: Optional[int] = None
-    pretrain_lr: float = 3e-3
-    method: str = "pactrain"
-    ratio: float = 0.5                 # pruning ratio (fraction removed)
-    prune_method: str = "magnitude"    # magnitude | grasp | taylor
-    gradual: Optional[str] = None      # "step:ratio,step:ratio" (replaces --ratio)
-    epochs: int = 3
-    eval_every: int = 0                # evaluate every this many steps too (0: per epoch only)
-    batch_size: int = 32               # per rank
-    lr: float = 0.01
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    topk_ratio: float = 0.01           # kept fraction for topk and dgc
-    error_feedback: bool = True        # pactrain-ternary and topk residuals (--no-error-feedback)
-    ternary_scale: Union[str, int] = "tensor"  # pactrain-ternary: a scale per tensor, per
-    # bucket, or per N elements of a tensor (an int)
-    bias_probe: bool = False           # exact average alongside (extra all-reduce), error stats
-    powersgd_rank: int = 1             # --method powersgd (--backend ddp): approximation rank
-    # shard the optimizer state: pactrain -> pacmpi's ShardedOptimizer (its DDP hook under
-    # --backend ddp); dense under --backend ddp -> torch's ZeroRedundancyOptimizer
-    sharded: bool = False
-    bucket_bytes: int = 25 * 1024 * 1024
-    verify_every: int = 1
-    stable_steps: int = 1
-    seed: int = 0
-    threads: int = 0                   # torch threads per rank; 0 = cores / ranks
-    checkpoint: Optional[str] = None
-    checkpoint_every: int = 0          # steps; 0 = at the end of every epoch
-    resume: bool = False
-    max_steps: int = 0                 # stop after this many fine-tuning steps (0 = no limit)
-    backend: str = "mpi"               # mpi | horovod | ddp (no topk, no checkpoints)
-    watchdog: Optional[str] = None     # "WARN[,ABORT]" seconds: name ranks stalled in a collective
-    json: Optional[str] = None
-    progress: bool = True
+    # One definition per knob: `name: type = knob(default, "help")`. build_parser makes the flag
+    # from it; the help says what the knob does and its unit or format (the formatter appends
+    # the default; a None default's text says what unset means). Add a field the same way.
+    dataset: str = knob(
+        "digits", "what to train on: digits (scikit-learn's 8x8 digits, offline), digits32 (the "
+        "same upscaled to 32x32), cifar10 (needs --data-dir) or codesearch (docstring -> "
+        "signature retrieval: fine-tunes the pretrained MiniLM, so --model minilm and "
+        "--pretrain-epochs 0 by default; the other defaults are the image sets')",
+        choices=DATASETS)
+    data_dir: Optional[str] = knob(
+        None, "folder holding CIFAR-10's python batches (never downloaded); --dataset cifar10 "
+              "needs it", metavar="DIR")
+    model: Optional[str] = knob(
+        None, "the model (default by dataset: "
+              + ", ".join(f"{m} for {d}" for d, m in DEFAULT_MODELS.items())
+              + "; mlp on the image sets takes --hidden)", choices=tuple(MODELS))
+    width: int = knob(32, "channels of the CNNs' first convolution (later layers scale with "
+                          "it); not used by mlp and minilm")
+    hidden: str = knob("256", "hidden units: one integer for digits_cnn's dense layer, or the "
+                              "MLP's layers comma-separated (e.g. 2048,1024)", metavar="N[,N]")
+    pretrained: Optional[str] = knob(
+        None, "cache of the densely pretrained model: loaded if it holds this run's "
+              "pretraining (dataset, model, epochs, seed), else written after it (default: "
+              "pretrain every run)", metavar="FILE")
+    pretrain_epochs: Optional[int] = knob(
+        None, "dense pretraining epochs on rank 0 before pruning (default: 10, or 0 for "
+              "minilm, which comes pretrained)", type=int)
+    pretrain_lr: float = knob(3e-3, "Adam learning rate of the dense pretraining")
+    method: str = knob(
+        "pactrain", "gradient synchronization: dense (the plain all-reduce), fp16, pactrain "
+                    "(lossless: the survivors only), pactrain-ternary, or the baselines topk, "
+                    "terngrad, dgc and powersgd (which --backend runs which: see --backend)",
+        choices=tuple(METHODS))
+    ratio: float = knob(0.5, "pruning ratio: the fraction of prunable weights removed before "
+                             "fine-tuning (ignored with --gradual)")
+    prune_method: str = knob(
+        "magnitude", "pruning criterion: magnitude (|W|), taylor (first-order saliency |W*g|, "
+                     "for pretrained models) or grasp (at initialization)",
+        choices=PRUNING_CRITERIA)
+    gradual: Optional[str] = knob(
+        None, "gradual pruning schedule STEP:RATIO,STEP:RATIO (e.g. 100:0.5,200:0.8): prune to "
+              "RATIO at fine-tuning step STEP, replacing --ratio (default: prune once, to "
+              "--ratio, before fine-tuning)", metavar="STEP:RATIO,...")
+    epochs: int = knob(3, "fine-tuning epochs")
+    eval_every: int = knob(0, "also evaluate every this many fine-tuning steps (0: after each "
+                              "epoch only); evaluation time is not counted as training time")
+    batch_size: int = knob(32, "samples per rank per step (codesearch: query-code pairs, the "
+                               "in-batch negatives)")
+    lr: float = knob(0.01, "fine-tuning learning rate")
+    optimizer: str = knob("sgd", "fine-tuning optimizer: sgd (with --momentum), adam or adamw",
+                          choices=OPTIMIZERS)
+    momentum: float = knob(0.9, "SGD momentum (--optimizer sgd; dgc applies it before "
+                                "compressing)")
+    weight_decay: float = knob(0.0, "weight decay of the fine-tuning optimizer")
+    topk_ratio: float = knob(0.01, "fraction of the gradient's coordinates --method topk and dgc "
+                                   "send (0.01: 1 in 100)")
+    error_feedback: bool = knob(
+        True, "add the part of the gradient a step did not send to the next step's (the "
+              "residual; pactrain-ternary and topk): --no-error-feedback drops it")
+    ternary_scale: Union[str, int] = knob(
+        "tensor", "pactrain-ternary's scales: tensor (one per parameter tensor), bucket (one per "
+                  "fusion bucket) or an integer N (one per N elements of a tensor)",
+        type=_ternary_scale, metavar="tensor|bucket|N")
+    bias_probe: bool = knob(
+        False, "also all-reduce the exact average gradient (doubling the traffic) and report "
+               "the method's error against it (--backend mpi; what pacmpi bench bias reads)")
+    powersgd_rank: int = knob(1, "approximation rank of --method powersgd (--backend ddp)")
+    sharded: bool = knob(
+        False, "shard the optimizer state over the ranks: pactrain through pacmpi's "
+               "ShardedOptimizer (its DDP hook under --backend ddp), dense under --backend ddp "
+               "through torch's ZeroRedundancyOptimizer")
+    bucket_bytes: int = knob(25 * 1024 * 1024,
+                             "fusion bucket size: bytes, or K/M/G (binary: 25M = 26214400)",
+                             type=parse_size, metavar="SIZE")
+    verify_every: int = knob(1, "check that all ranks hold the same masks every this many "
+                                "steps (1: every step); a mask changed in between is sent "
+                                "from the next check on")
+    stable_steps: int = knob(1, "steps a changed mask must stay unchanged before its bucket is "
+                                "sent packed again (until then: dense, masked; 0: at once)")
+    seed: int = knob(0, "random seed: the digits' train/test split, the initialization, the "
+                        "batch order and the stochastic methods")
+    threads: int = knob(0, "torch threads per rank (0: the host's cores / the ranks)")
+    checkpoint: Optional[str] = knob(
+        None, "where to save the fine-tuning state and --resume from (--backend mpi; "
+              "default: no checkpoints)", metavar="FILE")
+    checkpoint_every: int = knob(0, "save --checkpoint every this many steps (0: at the end of "
+                                    "every epoch)")
+    resume: bool = knob(False, "continue from --checkpoint if the file exists")
+    max_steps: int = knob(0, "stop after this many fine-tuning steps (0: no limit)")
+    backend: str = knob(
+        "mpi", "how the ranks communicate: mpi (mpirun), horovod (horovodrun or mpirun) or ddp "
+               "(torchrun; DistributedDataParallel with the method as its communication hook); "
+               "their methods: " + "; ".join(f"{b}: {','.join(ms)}"
+                                             for b, ms in BACKEND_METHODS.items()),
+        choices=BACKENDS)
+    watchdog: Optional[str] = knob(
+        None, "WARN[,ABORT] in seconds: name the ranks a collective waits for after WARN "
+              "seconds, end the job after ABORT (--backend mpi; default: off)",
+        metavar="WARN[,ABORT]")
+    json: Optional[str] = knob(
+        None, "write the whole result here, on rank 0: config, per-epoch records, step-time "
+              "split (default: not written)", metavar="FILE")
+    progress: bool = knob(True, "show a progress bar and a line per evaluation on stderr "
+                                "(rank 0)")
 
 
 def parse_gradual(text):
@@ -214,7 +294,7 @@ def _config(config):
     if cfg.watchdog:
         parse_watchdog(cfg.watchdog)
     if cfg.model is None:
-        cfg.model = DEFAULT_MODELS.get(cfg.dataset, "digits_cnn")
+        cfg.model = DEFAULT_MODELS[cfg.dataset]
     if cfg.pretrain_epochs is None:
         cfg.pretrain_epochs = 0 if cfg.model in PRETRAINED_MODELS else 10
     if (cfg.dataset == "codesearch") != (cfg.model in PRETRAINED_MODELS):
@@ -977,30 +1057,21 @@ class _NoBar:
 
 
 # ---------------------------------------------------------------------------------- CLI
-_OPTIONAL_TYPES = {"pretrain_epochs": int}  # fields whose default None is resolved in _config
-
-
-def _ternary_scale(text):
-    """``--ternary-scale``: a name, or digits for blocks of that many elements (checked by
-    :func:`pacmpi.engine.check_options` with the rest of the config)."""
-    return int(text) if text.isdigit() else text
-
-
 def build_parser():
-    parser = argparse.ArgumentParser(prog="pacmpi train", description=__doc__.split("\n")[0])
-    defaults = TrainConfig()
-    choices = {"method": tuple(METHODS), "optimizer": OPTIMIZERS, "backend": BACKENDS,
-               "dataset": DATASETS, "prune_method": PRUNING_CRITERIA, "model": tuple(MODELS)}
-    types = {"ternary_scale": _ternary_scale}
+    """``pacmpi train``'s parser: a flag per :class:`TrainConfig` field, with its help, choices
+    and type from the field's :func:`knob`."""
+    parser = command_parser("pacmpi train", __doc__)
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
-        default = getattr(defaults, field.name)
-        if field.type is bool or isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        options = dict(field.metadata)
+        if field.type is bool or isinstance(field.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=field.default, **options)
             continue
-        kind = types.get(field.name) or (type(default) if default is not None
-                                         else _OPTIONAL_TYPES.get(field.name, str))
-        parser.add_argument(flag, type=kind, default=default, choices=choices.get(field.name))
+        options.setdefault("type", type(field.default) if field.default is not None else str)
+        if "choices" not in options:
+            options.setdefault("metavar", "N" if options["type"] is int else field.name.upper())
+        parser.add_argument(flag, default=field.default, **options)
     return parser
 
 
