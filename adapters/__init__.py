@@ -11,6 +11,8 @@
   the surviving weights, fed by PacTrain's packed reduce-scatter.
 - :mod:`.pruning`: ``prune`` (magnitude, GraSP), ``GradualPruningSchedule``, ``MaskEnforcer``
   (gradient sparsity enforcement) and ``torch.nn.utils.prune`` interop.
+- :mod:`.recipe`: gradual pruning of a pretrained transformer: its linear layers' weights on a
+  cubic schedule (``gradual_schedule``, ``linear_weights``).
 - :mod:`.checkpoint`: atomic, resumable checkpoints of weights, masks and reducer state.
 - :mod:`.convert`: zero-copy tensor <-> NumPy/CuPy conversion.
 
@@ -19,4 +21,4 @@ only loaded by the code that uses it. The training job, benchmarks and baselines
 :mod:`pacmpi.experiments`.
 """
 __all__ = ["ddp", "lightning", "huggingface", "horovod", "torch_sync", "sharded", "pruning",
-           "checkpoint", "convert"]
+           "recipe", "checkpoint", "convert"]

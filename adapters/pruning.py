@@ -164,7 +164,7 @@ def masks_from_torch_prune(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------
-def _check_ratio(ratio: float, what: str = "ratio") -> float:
+def check_ratio(ratio: float, what: str = "ratio") -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 <= ratio < 1.0:
         raise ValueError(f"{what} must be a number in [0, 1), got {ratio!r}")
     return float(ratio)
@@ -441,7 +441,7 @@ def prune(
         collectives: instead of ``comm``, any :class:`pacmpi.Collectives` transport (e.g.
             Horovod's, where there is no MPI world); same rank-0 decision and broadcast.
     """
-    ratio = _check_ratio(ratio)
+    ratio = check_ratio(ratio)
     _check_choice("method", method, PRUNING_CRITERIA)
     _check_choice("scope", scope, SCOPES)
     if method != "magnitude" and data is None:
@@ -522,7 +522,7 @@ class GradualPruningSchedule:
             step, ratio = item
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
                 raise ValueError(f"milestone step must be a non-negative int, got {step!r}")
-            ratio = _check_ratio(ratio, "milestone ratio")
+            ratio = check_ratio(ratio, "milestone ratio")
             if checked and step <= checked[-1][0]:
                 raise ValueError(f"milestone steps must be strictly increasing, got {step!r} "
                                  f"after {checked[-1][0]!r}")

@@ -1,0 +1,123 @@
+"""The gradual-pruning recipe: the cubic schedule, the default selection on transformers built
+from a config, and its multi-rank invariants (tests/mpi_scripts/recipe_scenarios.py)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pacmpi.adapters.pruning import named_prunable_parameters, prune
+from pacmpi.adapters.recipe import cubic_milestones, gradual_schedule, linear_weights
+
+from mpi_util import mpirun_argv, run_scenarios, scenario_cases  # tests/ is on sys.path
+
+ratios = st.floats(0.0, 0.99)
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=ratios, b=ratios, steps=st.integers(1, 400), every=st.integers(1, 60),
+       start=st.integers(0, 50))
+def test_cubic_schedule_is_monotone_and_ends_at_its_ratio_exactly(a, b, steps, every, start):
+    initial, final = min(a, b), max(a, b)
+    if final == 0.0:
+        return
+    milestones = cubic_milestones(final, steps, every, initial=initial, start=start)
+    if initial == final:
+        assert milestones == [(start, final)], "one shot at the start"
+        return
+    points, values = zip(*milestones)
+    assert list(points) == sorted(set(points)), "steps strictly increase"
+    assert all(x < y for x, y in zip(values, values[1:])), "every update prunes more"
+    assert milestones[-1] == (start + steps, final), "the last update is at T, at s_f exactly"
+    assert all((p - start) % every == 0 or p == start + steps for p in points)
+    for p, value in milestones:
+        t = (p - start) / steps
+        assert value == pytest.approx(final + (initial - final) * (1 - t) ** 3, abs=1e-12)
+    assert initial == 0.0 or milestones[0] == (start, initial), "s_i at once"
+
+
+def test_cubic_schedule_drops_updates_that_prune_nothing_more():
+    assert cubic_milestones(0.8, 4, 2) == [(2, 0.8 - 0.8 * 0.5 ** 3), (4, 0.8)]
+    assert cubic_milestones(0.5, 10, 20, initial=0.5) == [(0, 0.5)]  # one shot at the start
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: cubic_milestones(0.5, 10, 2, initial=0.7), "0.5 is below the initial ratio 0.7"),
+    (lambda: cubic_milestones(1.0, 10, 2), "got 1.0"),
+    (lambda: cubic_milestones(0.5, 10, 2, initial=-0.5), "initial ratio"),
+    (lambda: cubic_milestones(0.5, 0, 2), "steps must be an int >= 1, got 0"),
+    (lambda: cubic_milestones(0.5, 10, 0), "every must be an int >= 1, got 0"),
+    (lambda: cubic_milestones(0.5, 10.0, 2), "got 10.0"),
+    (lambda: cubic_milestones(0.5, 10, True), "got True"),
+    (lambda: cubic_milestones(0.5, 10, 2, start=-1), "start must be an int >= 0, got -1"),
+])
+def test_bad_schedules_name_the_value(call, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")
+                       .replace(")", r"\)").replace(".", r"\.")):
+        call()
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=3)
+    return BertForSequenceClassification(config)
+
+
+def test_default_selection_on_a_bert_from_a_config_is_its_linear_weight_matrices():
+    model = _tiny_bert()
+    expected = [f"bert.encoder.layer.{i}.{part}.weight" for i in range(2)
+                for part in ("attention.self.query", "attention.self.key",
+                             "attention.self.value", "attention.output.dense",
+                             "intermediate.dense", "output.dense")]
+    assert linear_weights(model) == expected
+    # Control: the default of prune() itself also takes the embeddings, pooler and classifier.
+    everything = set(named_prunable_parameters(model))
+    assert {"bert.embeddings.word_embeddings.weight", "bert.pooler.dense.weight",
+            "classifier.weight"} <= everything - set(expected)
+    untouched = {name: p.detach().clone() for name, p in model.named_parameters()
+                 if name not in expected}
+    schedule = gradual_schedule(model, final=0.8, steps=6, every=2)
+    masks = None
+    for step in range(7):
+        masks = schedule.step(model, step) or masks
+    assert list(masks) == expected
+    total = sum(m.numel() for m in masks.values())
+    assert total - sum(int(m.sum()) for m in masks.values()) == round(0.8 * total)
+    weights = dict(model.named_parameters())
+    assert all(bool((weights[name][~mask] == 0).all()) for name, mask in masks.items())
+    assert all(torch.equal(weights[name], value) for name, value in untouched.items())
+
+
+def test_default_selection_takes_gpt2_conv1d_and_leaves_the_tied_head():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                       n_head=2))
+    assert linear_weights(model) == [f"transformer.h.0.{part}.weight" for part in
+                                     ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+
+def test_selection_without_linear_layers_says_so():
+    with pytest.raises(ValueError, match="no linear layer outside the heads"):
+        linear_weights(torch.nn.Sequential(torch.nn.Embedding(4, 2)))
+    with pytest.raises(ValueError, match="no linear layer"):
+        linear_weights(torch.nn.ModuleDict({"classifier": torch.nn.Linear(2, 2)}))
+
+
+def test_prune_with_the_selection_matches_the_schedule_at_one_shot():
+    a, b = _tiny_bert(), _tiny_bert()
+    one_shot = prune(a, 0.5, include=linear_weights(a))
+    scheduled = gradual_schedule(b, final=0.5, steps=1, every=1, initial=0.5).step(b, 0)
+    assert all(torch.equal(one_shot[n], scheduled[n]) for n in one_shot)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpirun_argv(1)[0] is None, reason="mpirun not installed")
+@pytest.mark.parametrize("ranks, scenario",
+                         scenario_cases("recipe_scenarios.py", {(2,): None, (4,): None}))
+def test_recipe_scenario(ranks, scenario):
+    """Masks agree after every update, pruned weights and Adam state stay 0, dense steps only
+    after updates; a schedule that skips the broadcast is caught; bad schedules raise."""
+    run_scenarios("recipe_scenarios.py", ranks, timeout=150).check(scenario)
