@@ -18,7 +18,9 @@ import argparse
 import sys
 
 from pacmpi.bench.harness import write_report
+from pacmpi.costmodel import ring_seconds
 
+from ._sweep import sweep
 from .nodes import NodeTestbed
 from .testbed import CalibrationError, format_rate
 
@@ -27,21 +29,18 @@ __all__ = ["measure", "format_table", "main"]
 
 def measure(nodes, rates, topologies, *, tolerance=0.15, mpirun=None):
     """Calibrate every (topology, rate, node count); return the list of result dicts."""
-    points = []
-    for topology in topologies:
-        for rate in rates:
-            for count in nodes:
-                with NodeTestbed(count, rate, topology=topology, mpirun=mpirun) as bed:
-                    try:
-                        result = dict(bed.calibrate(tolerance=tolerance), refused=False)
-                    except CalibrationError as exc:
-                        result = dict(exc.result, refused=True)
-                per_byte = result["nbytes"] * 8 / result["nominal_bps"]
-                result["star_model_s"] = 2 * (count - 1) / count * per_byte
-                result["shared_model_s"] = 2 * (count - 1) * per_byte
-                points.append(result)
-                print(format_table(points[-1:], header=len(points) == 1), flush=True)
-    return points
+    def point(count, rate, topology):
+        with NodeTestbed(count, rate, topology=topology, mpirun=mpirun) as bed:
+            try:
+                result = dict(bed.calibrate(tolerance=tolerance), refused=False)
+            except CalibrationError as exc:
+                result = dict(exc.result, refused=True)
+        for model in ("star", "shared"):
+            result[f"{model}_model_s"] = ring_seconds(result["nbytes"], count,
+                                                      result["nominal_bps"] / 8, model)
+        return result
+
+    return sweep(nodes, rates, topologies, point, format_table)
 
 
 def format_table(points, header=True):

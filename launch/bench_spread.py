@@ -19,9 +19,11 @@ import argparse
 import sys
 
 from pacmpi.bench.harness import spread, write_report
+from pacmpi.costmodel import ring_seconds
 from pacmpi.units import parse_rate
 
 from ._allreduce_timer import command, report
+from ._sweep import sweep
 from .runner import run_command
 from .testbed import format_rate
 
@@ -30,9 +32,8 @@ __all__ = ["measure", "summarize", "format_table", "main"]
 
 def model_seconds(nodes, topology, nbytes, rate_bps):
     """Seconds of one ring all-reduce of ``nbytes`` over ``nodes`` nodes' links at nominal
-    rate: each node link carries 2(K-1)/K * S on the star, the shared queue K times that."""
-    per_byte = 2 * (nodes - 1) / (nodes if topology == "star" else 1)
-    return per_byte * nbytes * 8 / rate_bps
+    rate (bits per second): :func:`pacmpi.costmodel.ring_seconds`."""
+    return ring_seconds(nbytes, nodes, rate_bps / 8, topology)
 
 
 def summarize(times, model_s, calibration_ratios=()):
@@ -48,23 +49,19 @@ def summarize(times, model_s, calibration_ratios=()):
 def measure(nodes, rates, topologies, *, runs=5, seconds=1.0, iters=3, calibrate=True,
             mpirun=None, timeout=600):
     """Run every (topology, rate, node count) ``runs`` times; return the summary dicts."""
-    points = []
-    for topology in topologies:
-        for rate in rates:
-            for count in nodes:
-                rate_bps = parse_rate(rate)
-                nbytes = int(seconds / model_seconds(count, topology, 1, rate_bps)) // 4 * 4
-                times, calibrations = [], []
-                for _ in range(runs):
-                    times.append(_run(count, rate, topology, nbytes, iters, calibrate, mpirun,
-                                      timeout, calibrations))
-                point = dict(summarize(times, model_seconds(count, topology, nbytes, rate_bps),
-                                       calibrations),
-                             topology=topology, rate=rate, nominal_bps=rate_bps, nodes=count,
-                             nbytes=nbytes, runs=runs, iters=iters)
-                points.append(point)
-                print(format_table(points[-1:], header=len(points) == 1), flush=True)
-    return points
+    def point(count, rate, topology):
+        rate_bps = parse_rate(rate)
+        nbytes = int(seconds / model_seconds(count, topology, 1, rate_bps)) // 4 * 4
+        times, calibrations = [], []
+        for _ in range(runs):
+            times.append(_run(count, rate, topology, nbytes, iters, calibrate, mpirun, timeout,
+                              calibrations))
+        return dict(summarize(times, model_seconds(count, topology, nbytes, rate_bps),
+                              calibrations),
+                    topology=topology, rate=rate, nominal_bps=rate_bps, nodes=count,
+                    nbytes=nbytes, runs=runs, iters=iters)
+
+    return sweep(nodes, rates, topologies, point, format_table)
 
 
 def _run(count, rate, topology, nbytes, iters, calibrate, mpirun, timeout, calibrations):

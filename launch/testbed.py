@@ -41,6 +41,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pacmpi.costmodel import ring_factor, ring_seconds
 from pacmpi.units import format_rate, parse_rate
 
 from ._namespaces import delete, end_processes, new_name, remove_stale, workdir
@@ -79,9 +80,8 @@ def link_model(n, nbytes, seconds, topology="shared"):
     if topology not in TOPOLOGIES:
         raise ValueError(f"bad topology {topology!r}: expected one of {', '.join(TOPOLOGIES)}")
     algbw = nbytes * 8 / seconds
-    busbw = algbw * 2 * (n - 1) / n
-    return {"link_bps": 2 * (n - 1) * algbw if topology == "shared" else busbw,
-            "algbw_bps": algbw, "busbw_bps": busbw}
+    return {"link_bps": algbw * ring_factor(n, topology), "algbw_bps": algbw,
+            "busbw_bps": algbw * ring_factor(n, "star")}
 
 
 def _run(cmd, what, timeout=30):
@@ -204,10 +204,8 @@ class NamespaceBed:
             raise TestbedError("calibrate() needs an active test bed (use it inside `with`)")
         if n < 2:
             raise ValueError("calibration needs at least 2 ranks (one rank sends nothing)")
-        # Bytes the bottleneck link carries per byte all-reduced (see link_model).
-        per_byte = 2 * (n - 1) / (n if self.topology == "star" else 1)
         if nbytes is None:
-            nbytes = self.rate_bps * seconds_per_call / (8 * per_byte)
+            nbytes = self.rate_bps * seconds_per_call / (8 * ring_factor(n, self.topology))
             nbytes = int(min(max(nbytes, 2**20), 2**28)) // 4 * 4
         flavor = detect_mpi(self.mpirun)
         ring = ring_collectives_env(flavor)
@@ -230,7 +228,8 @@ class NamespaceBed:
             "rate": self.rate, "nominal_bps": self.rate_bps, "n": n, "topology": self.topology,
             "nbytes": measured["nbytes"], "repeats": repeats, "times_s": measured["times"],
             "time_s": seconds, **link_model(n, measured["nbytes"], seconds, self.topology),
-            "model_time_s": per_byte * measured["nbytes"] * 8 / self.rate_bps,
+            "model_time_s": ring_seconds(measured["nbytes"], n, self.rate_bps / 8,
+                                         self.topology),
             "algorithm": "ring" if ring else "implementation default",
             "mpi": flavor.describe(), "tolerance": tolerance,
         }

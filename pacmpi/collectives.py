@@ -3,6 +3,7 @@
 Adapters can plug in another transport (Horovod's) by implementing :class:`Collectives`; the
 reducer then reuses packing, tracking, verification and quantization unchanged.
 """
+import contextlib
 import ctypes
 
 import numpy as np
@@ -108,18 +109,18 @@ def check_blocks(collectives, counts, buf, out=None):
     return block_bounds(counts)[rank]
 
 
-class _MPIRequest:
-    """An MPI request; ``watch`` is the stall watchdog's context for its wait, or ``None``."""
+_UNWATCHED = contextlib.nullcontext()
 
-    def __init__(self, request, watch=None):
+
+class _MPIRequest:
+    """An MPI request; ``watch`` is the stall watchdog's context for its wait."""
+
+    def __init__(self, request, watch=_UNWATCHED):
         self._request, self._watch = request, watch
 
     def wait(self):
-        if self._watch is None:
+        with self._watch:
             self._request.Wait()
-        else:
-            with self._watch:
-                self._request.Wait()
 
     def test(self):
         """``MPI_Test``: move the request on, without waiting; whether it is complete."""
@@ -265,39 +266,50 @@ class MPICollectives(Collectives):
             raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
         return buf, (MPI.SUM if op == "sum" else MPI.MAX)
 
-    def _needs_staging(self, buf):
+    def _needs_staging(self, buf, reduces):
+        """Whether MPI gets ``buf`` through host memory: a device buffer when MPI is not
+        CUDA-aware, or one of a half type to be summed (no device sum); moving bits only,
+        halves need no staging."""
         if not is_device_array(buf):
             return False
-        return np.dtype(buf.dtype) in half_dtypes() or not self.cuda_aware
+        return not self.cuda_aware or (reduces and np.dtype(buf.dtype) in half_dtypes())
+
+    @contextlib.contextmanager
+    def _staged(self, buf, *, reduces=True, copy_back=True):
+        """The array MPI should get for ``buf``, after the one stream synchronization before
+        MPI reads device memory: ``buf`` itself, or a host copy (:meth:`_needs_staging`) whose
+        values ``buf`` takes when the block ends (``copy_back``; not when it raises)."""
+        synchronize(array_module(buf))
+        if not self._needs_staging(buf, reduces):
+            yield buf
+            return
+        host = buf.get()
+        yield host
+        if copy_back:
+            buf.set(host)
+
+    def _watched(self, name):
+        """The stall watchdog's context for collective ``name``, which it counts as entered
+        now: a blocking call runs in it, a nonblocking one's wait."""
+        return _UNWATCHED if self._watchdog is None else self._watchdog.collective(name)
 
     word_dtypes = ("int64", "int32", "uint64")
 
     def allreduce(self, buf, op="sum", name=None):
-        if self._needs_staging(buf):
-            synchronize(array_module(buf))
-            host = buf.get()
-            self.allreduce(host, op)
-            buf.set(host)
-            return
-        synchronize(array_module(buf))
-        spec, mpi_op = self._spec(buf, op)
-        if self._watchdog is None:
-            self.comm.Allreduce(self._MPI.IN_PLACE, spec, mpi_op)
-        else:
-            with self._watchdog.collective("Allreduce"):
+        with self._staged(buf) as target:
+            spec, mpi_op = self._spec(target, op)
+            with self._watched("Allreduce"):
                 self.comm.Allreduce(self._MPI.IN_PLACE, spec, mpi_op)
 
     def iallreduce(self, buf, op="sum", name=None):
-        watch = None if self._watchdog is None else self._watchdog.collective("Iallreduce")
-        if self._needs_staging(buf):
-            synchronize(array_module(buf))
-            host = buf.get()
-            spec, mpi_op = self._spec(host, op)
+        watch = self._watched("Iallreduce")
+        # The copy back waits for the request: _StagedRequest makes it.
+        with self._staged(buf, copy_back=False) as target:
+            spec, mpi_op = self._spec(target, op)
             request = self.comm.Iallreduce(self._MPI.IN_PLACE, spec, mpi_op)
-            return _StagedRequest(request, watch, host, buf)
-        synchronize(array_module(buf))
-        spec, mpi_op = self._spec(buf, op)
-        return _MPIRequest(self.comm.Iallreduce(self._MPI.IN_PLACE, spec, mpi_op), watch)
+        if target is buf:
+            return _MPIRequest(request, watch)
+        return _StagedRequest(request, watch, target, buf)
 
     def progress(self, requests):
         """``MPI_Test`` on each request. Open MPI advances a non-blocking collective only
@@ -309,82 +321,46 @@ class MPICollectives(Collectives):
             request.test()
 
     def reduce(self, buf, op="sum", root=0, name=None):
-        if self._needs_staging(buf):
-            synchronize(array_module(buf))
-            host = buf.get()
-            self.reduce(host, op, root=root)
-            if self.rank == root:
-                buf.set(host)
-            return
-        synchronize(array_module(buf))
-        spec, mpi_op = self._spec(buf, op)
-        send, receive = (self._MPI.IN_PLACE, spec) if self.rank == root else (spec, None)
-        if self._watchdog is None:
-            self.comm.Reduce(send, receive, mpi_op, root=root)
-        else:
-            with self._watchdog.collective("Reduce"):
+        with self._staged(buf, copy_back=self.rank == root) as target:
+            spec, mpi_op = self._spec(target, op)
+            send, receive = (self._MPI.IN_PLACE, spec) if self.rank == root else (spec, None)
+            with self._watched("Reduce"):
                 self.comm.Reduce(send, receive, mpi_op, root=root)
 
     def bcast(self, buf, root=0, name=None):
-        if is_device_array(buf) and not self.cuda_aware:
-            synchronize(array_module(buf))
-            host = buf.get()
-            self.bcast(host, root=root)
-            buf.set(host)
-            return
-        synchronize(array_module(buf))
-        # As 16-bit words: mpi4py takes no bfloat16 array itself (NumPy exports no buffer of
-        # ml_dtypes' dtype, DLPack has none), and a broadcast only moves the bits.
-        if np.dtype(buf.dtype) in half_dtypes():
-            buf = [buf, buf.size, self._MPI.UINT16_T]
-        if self._watchdog is None:
-            self.comm.Bcast(buf, root=root)
-        else:
-            with self._watchdog.collective("Bcast"):
-                self.comm.Bcast(buf, root=root)
+        with self._staged(buf, reduces=False) as target:
+            # As 16-bit words: mpi4py takes no bfloat16 array itself (NumPy exports no buffer
+            # of ml_dtypes' dtype, DLPack has none), and a broadcast only moves the bits.
+            if np.dtype(target.dtype) in half_dtypes():
+                target = [target, target.size, self._MPI.UINT16_T]
+            with self._watched("Bcast"):
+                self.comm.Bcast(target, root=root)
 
     def reduce_scatter(self, buf, out, counts, op="sum", name=None):
         check_blocks(self, counts, buf, out)
-        if self._needs_staging(buf):
-            synchronize(array_module(buf))
-            host = np.empty(out.shape, dtype=out.dtype)
-            self.reduce_scatter(buf.get(), host, counts, op)
-            out.set(host)
-            return
-        synchronize(array_module(buf))
-        spec, mpi_op = self._spec(buf, op)
-        received, _ = self._spec(out, op)
-        counts = [int(c) for c in counts]
-        if self._watchdog is None:
-            self.comm.Reduce_scatter(spec, received, counts, mpi_op)
-        else:
-            with self._watchdog.collective("Reduce_scatter"):
-                self.comm.Reduce_scatter(spec, received, counts, mpi_op)
+        with self._staged(buf, copy_back=False) as target:
+            # out is staged with buf (its stream synchronized already); MPI only writes it.
+            received = out if target is buf else np.empty(out.shape, dtype=out.dtype)
+            spec, mpi_op = self._spec(target, op)
+            received_spec, _ = self._spec(received, op)
+            with self._watched("Reduce_scatter"):
+                self.comm.Reduce_scatter(spec, received_spec, [int(c) for c in counts], mpi_op)
+        if received is not out:
+            out.set(received)
 
     def allgather(self, buf, counts, name=None):
         check_blocks(self, counts, buf)
-        if is_device_array(buf) and not self.cuda_aware:
-            synchronize(array_module(buf))
-            host = buf.get()
-            self.allgather(host, counts)
-            buf.set(host)
-            return
-        synchronize(array_module(buf))
-        counts = [int(c) for c in counts]
-        displacements = [start for start, _ in block_bounds(counts)]
-        spec = [buf, (counts, displacements)]
-        if np.dtype(buf.dtype) in half_dtypes():  # bits only, as in bcast: 16-bit words
-            spec.append(self._MPI.UINT16_T)
-        if self._watchdog is None:
-            self.comm.Allgatherv(self._MPI.IN_PLACE, spec)
-        else:
-            with self._watchdog.collective("Allgatherv"):
+        with self._staged(buf, reduces=False) as target:
+            counts = [int(c) for c in counts]
+            displacements = [start for start, _ in block_bounds(counts)]
+            spec = [target, (counts, displacements)]
+            if np.dtype(target.dtype) in half_dtypes():  # bits only, as in bcast: 16-bit words
+                spec.append(self._MPI.UINT16_T)
+            with self._watched("Allgatherv"):
                 self.comm.Allgatherv(self._MPI.IN_PLACE, spec)
 
     def allgather_object(self, obj, name=None):
-        if self._watchdog is None:
-            return self.comm.allgather(obj)
-        with self._watchdog.collective("allgather"):
+        with self._watched("allgather"):
             return self.comm.allgather(obj)
 
 

@@ -53,8 +53,8 @@ from .methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from .ternary import TernaryCodec
 from .units import parse_rate, parse_size
 
-__all__ = ["workload", "predict", "compare", "latency", "calibrate", "calibrate_main",
-           "predict_main"]
+__all__ = ["ring_factor", "ring_seconds", "workload", "predict", "compare", "latency",
+           "calibrate", "calibrate_main", "predict_main"]
 
 TOPOLOGIES = ("star", "shared")
 
@@ -72,6 +72,20 @@ direction; the shared bed moves 64 KiB packets through one queue on ``lo`` that 
 shares. A single number applies to both."""
 
 _FIT_FILE = "results/costmodel_fit.json"
+
+
+def ring_factor(participants, topology="star"):
+    """Bytes the busiest link carries per byte a ring all-reduce over ``participants`` sums:
+    each sends ``2 (P - 1) / P`` of the buffer, all its own link carries on a ``star`` (a
+    full-duplex link each); a ``shared`` link carries every participant's, ``2 (P - 1)``."""
+    return 2 * (participants - 1) / (participants if topology == "star" else 1)
+
+
+def ring_seconds(nbytes, participants, rate_Bps, topology="star"):
+    """Seconds a ring all-reduce of ``nbytes`` over ``participants`` spends on links of
+    ``rate_Bps`` bytes per second: ``ring_factor * S / B``, no latency."""
+    return nbytes * ring_factor(participants, topology) / rate_Bps
+
 
 def _check_int(name, value, low=1):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
@@ -168,13 +182,12 @@ def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=N
     per_node = ranks // nodes
     ring = nodes if hierarchical else ranks
     wire = _wire_bytes(method, values, kept, buckets, ring)
-    factor = 2 * (ring - 1) / ring if topology == "star" else 2 * (ring - 1)
-    network_s = wire * factor / _rate(fit, link_bps, nodes, topology)
+    network_s = ring_seconds(wire, ring, _rate(fit, link_bps, nodes, topology), topology)
     collectives = buckets + method.packed
     latency_s = latency(fit, topology) * collectives * 2 * (ring - 1)
     intra_s = 0.0
     if hierarchical and per_node > 1:
-        intra_s = 4 * values * 2 * (per_node - 1) / per_node / fit["intra_Bps"]
+        intra_s = ring_seconds(4 * values, per_node, fit["intra_Bps"])
     share = max(1.0, ranks / host_cores) if host_cores else 1.0
     u, v = _per_method(fit, "codec_s_per_byte", method.name)
     codec_s = (4 * values * u + 4 * kept * v) * share if codec else 0.0
@@ -247,13 +260,14 @@ def peer_step_seconds(fit, *, method, ranks, link_bps, shapes, buckets, nodes=No
     _check_int("powersgd_rank", powersgd_rank)
     collective, calls, payload = _peer_traffic(method, shapes, buckets, topk_ratio=topk_ratio,
                                                dgc_ratio=dgc_ratio, powersgd_rank=powersgd_rank)
+    rate = _rate(fit, link_bps, nodes, topology)
     if collective == "allgather":  # every rank receives every other rank's payload
         factor = ranks - 1 if topology == "star" else ranks * (ranks - 1)
+        network_s = payload * factor / rate
         steps = ranks - 1
     else:
-        factor = 2 * (ranks - 1) / ranks if topology == "star" else 2 * (ranks - 1)
+        network_s = ring_seconds(payload, ranks, rate, topology)
         steps = 2 * (ranks - 1)
-    network_s = payload * factor / _rate(fit, link_bps, nodes, topology)
     latency_s = latency(fit, topology) * calls * steps
     return {"seconds": compute_s + latency_s + network_s, "compute_s": compute_s,
             "latency_s": latency_s, "network_s": network_s, "intra_s": 0.0, "codec_s": None,

@@ -58,7 +58,7 @@ from .. import kernels
 from ..arrays import to_host
 from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from ..collectives import allreduce_algorithm, block_bounds, default_collectives
-from ..costmodel import PEER_DEFAULTS, _check_int, powersgd_values, topk_count
+from ..costmodel import PEER_DEFAULTS, _check_int, powersgd_values, ring_factor, topk_count
 from ..hierarchy import HierarchicalCollectives
 from ..methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from ..reducer import PacTrainReducer
@@ -427,7 +427,7 @@ def _bench_one(collectives, method, layout, mask, density, iters, warmup, seed, 
         "size_bytes": dense_bytes, "count": count, "density": density, "method": method,
         "ranks": world, "time_avg_us": timing.mean * 1e6, "time_min_us": timing.min * 1e6,
         "time_max_us": timing.max * 1e6, "algbw_GBps": algbw,
-        "busbw_GBps": algbw * 2 * (world - 1) / world,
+        "busbw_GBps": algbw * ring_factor(world),
         "wire_bytes_per_rank": wire // iters, "pack_unpack_us": overhead / iters * 1e6,
         "verify_us": verify / iters * 1e6, "wrong": int(wrong[0]),
         "buckets": len(layout.buckets), "kept": kept,

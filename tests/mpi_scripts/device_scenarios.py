@@ -231,7 +231,7 @@ def test_an_extra_synchronization_is_seen(monkeypatch):
 
 
 def test_skipped_staging_is_seen(monkeypatch):
-    monkeypatch.setattr(MPICollectives, "_needs_staging", lambda self, buf: False)
+    monkeypatch.setattr(MPICollectives, "_needs_staging", lambda self, buf, reduces: False)
     events, problems, exact = one_call(transport(False), "allreduce", np.dtype(np.float32))
     assert exact
     assert any("MPI is not CUDA-aware" in p for p in problems), problems
