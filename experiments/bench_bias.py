@@ -1,4 +1,6 @@
-"""``pacmpi bench bias``: the ternary estimator's error and pruning's, separated.
+"""``pacmpi bench bias``: separate the ternary estimator's gradient error from pruning's, over
+several seeds of the same unshaped fine-tuning; prints the error table and writes the JSON
+report and plots to ``--out-dir``.
 
 The same fine-tuning run (``pacmpi bench train``'s workload, unshaped: this is about accuracy
 and error, not time) four ways: dense, pruned lossless, dense + ternary, pruned + ternary, the
@@ -14,7 +16,6 @@ and the bias (per coordinate, the error averaged over the run's steps: its mean 
 percentile), and whether error feedback changes the final accuracy (ranges overlap: a tie).
 Writes ``bench_bias.json`` and plots (loss curves, error and bias per method).
 """
-import argparse
 import json
 import statistics
 import sys
@@ -22,7 +23,23 @@ from pathlib import Path
 
 from pacmpi.bench import harness
 from pacmpi.bench.harness import comma_list, format_spread, overlap, spread
-from pacmpi.experiments.bench_train import FULL, derive, merge_reports, run_benchmark
+from pacmpi.cli_options import (
+    add_cache_dir,
+    add_json_file,
+    add_merge,
+    add_no_plots,
+    add_out_dir,
+    add_seeds,
+    add_timeout,
+    command_parser,
+)
+from pacmpi.experiments.bench_train import (
+    FULL,
+    add_workload_options,
+    derive,
+    merge_reports,
+    run_benchmark,
+)
 
 __all__ = ["DEFAULT_METHODS", "main"]
 
@@ -143,23 +160,18 @@ def write_bias_plots(report, table, out_dir, prefix="bench_bias"):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="pacmpi bench bias", description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", type=comma_list(), default=DEFAULT_METHODS,
-                        help="pacmpi bench train labels (default " + ",".join(DEFAULT_METHODS)
-                        + ")")
-    parser.add_argument("--seeds", type=comma_list(int),
-                        default=(0, 1, 2))
-    for key in ("ranks", "epochs", "width", "pretrain_epochs"):
-        parser.add_argument("--" + key.replace("_", "-"), type=int, default=FULL[key])
-    parser.add_argument("--hidden", default=FULL["hidden"])
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per training job")
-    parser.add_argument("--cache-dir", default=None, help="pretrained-model cache")
-    parser.add_argument("--out-dir", default="results")
-    parser.add_argument("--json", default=None, help="default OUT_DIR/bench_bias.json")
-    parser.add_argument("--merge", type=comma_list(), default=None, metavar="JSON,JSON",
-                        help="join earlier runs (other seeds or methods) into --json instead "
-                             "of running")
-    parser.add_argument("--no-plots", action="store_true")
+    parser = command_parser("pacmpi bench bias", __doc__)
+    parser.add_argument("--methods", type=comma_list(), default=DEFAULT_METHODS, metavar="M,M",
+                        help="pacmpi bench train method labels, comma-separated (default "
+                        + ", ".join(DEFAULT_METHODS) + ")")
+    add_seeds(parser, (0, 1, 2))
+    add_workload_options(parser, ("ranks", "epochs", "width", "pretrain_epochs", "hidden"), FULL)
+    add_timeout(parser, 1200)
+    add_cache_dir(parser)
+    add_out_dir(parser)
+    add_json_file(parser, "the report", default="OUT_DIR/bench_bias.json")
+    add_merge(parser, "runs (other seeds or methods)")
+    add_no_plots(parser)
     return parser
 
 

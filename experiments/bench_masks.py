@@ -1,5 +1,6 @@
-"""``pacmpi bench masks``: mask consistency of gradual pruning under non-IID data, and injected
-faults caught in the step they appear.
+"""``pacmpi bench masks``: check mask consistency of gradual pruning under non-IID data, and that
+injected faults are caught in the step they appear; rank 0 prints a table per run (exit status 1
+if a check failed) and ``--json`` writes the report.
 
 Run it under MPI (``mpirun -n 4 pacmpi bench masks``). Every rank fine-tunes the same densely
 pretrained digits CNN on a disjoint block of classes (4 ranks: 0-2 / 3-5 / 6-7 / 8-9) with
@@ -36,7 +37,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +54,10 @@ from pacmpi.adapters.pruning import (
 )
 from pacmpi.adapters.torch_sync import broadcast_parameters
 from pacmpi.bench import harness
+from pacmpi.cli_options import add_json_file, add_out_dir, command_parser
 from pacmpi.experiments.data import iterate_minibatches, load_digits_split
 from pacmpi.experiments.models import build_model
-from pacmpi.experiments.train import TrainConfig, pretrained_state
+from pacmpi.experiments.train import TrainConfig, knob, pretrained_state
 
 __all__ = ["BenchConfig", "build_parser", "format_table", "main", "run", "write_plots"]
 
@@ -67,20 +69,25 @@ POLICIES = ("raise", "resync")
 class BenchConfig:
     """The workload; the command-line flags carry the same names (``--prune-every``)."""
 
-    steps: int = 1000
-    fault_steps: int = 0          # steps of each fault run (0: ``steps``)
-    prune_every: int = 10
-    final_ratio: float = 0.8
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    width: int = 8
-    hidden: int = 32
-    pretrain_epochs: int = 5
-    seed: int = 0
-    inject_step: int = 0          # re-prune step the faults aim at (0: the one nearest 1/3)
-    inject_rank: int = -1         # -1: the last rank
-    lr_factor: float = 2.0
+    # One definition per knob, as in TrainConfig: `name: type = knob(default, "help")`.
+    steps: int = knob(1000, "fine-tuning steps of the fault-free run")
+    fault_steps: int = knob(0, "steps of each fault run (0: --steps)")
+    prune_every: int = knob(10, "each rank recomputes its mask from its own weights every this "
+                                "many steps")
+    final_ratio: float = knob(0.8, "pruning ratio reached at the last re-prune (the density "
+                                   "falls linearly from 1)")
+    batch_size: int = knob(32, "samples per rank and step")
+    lr: float = knob(0.05, "SGD learning rate of the fine-tuning")
+    momentum: float = knob(0.9, "SGD momentum of the fine-tuning")
+    width: int = knob(8, "DigitsCNN channels of the first convolution")
+    hidden: int = knob(32, "DigitsCNN hidden units")
+    pretrain_epochs: int = knob(5, "dense pretraining epochs on rank 0 before fine-tuning")
+    seed: int = knob(0, "random seed: data split, initialization, batch order")
+    inject_step: int = knob(0, "re-prune step the faults aim at (the lr fault: the step "
+                               "before); a multiple of --prune-every, 0: the one nearest 1/3 "
+                               "of the run")
+    inject_rank: int = knob(-1, "the faulty rank (-1: the last)")
+    lr_factor: float = knob(2.0, "learning-rate factor of the lr fault's one step")
 
     def __post_init__(self):
         checks = [(self.steps >= 2, f"steps must be >= 2, got {self.steps!r}"),
@@ -518,36 +525,25 @@ def _names(text, allowed, what):
     return tuple(names)
 
 
-_HELP = {
-    "steps": "steps of the fault-free run (default %(default)s)",
-    "fault_steps": "steps of each fault run; 0 = --steps",
-    "prune_every": "each rank recomputes its mask every this many steps (default %(default)s)",
-    "final_ratio": "pruning ratio reached at the last re-prune (default %(default)s)",
-    "batch_size": "samples per rank and step (default %(default)s)",
-    "pretrain_epochs": "dense pretraining on rank 0 before fine-tuning (default %(default)s)",
-    "width": "DigitsCNN channels (default %(default)s)",
-    "hidden": "DigitsCNN hidden units (default %(default)s)",
-    "inject_step": "re-prune step the faults aim at (lr: the step before); 0 = nearest 1/3",
-    "inject_rank": "the faulty rank; -1 = the last",
-    "lr_factor": "learning-rate factor of the lr fault (default %(default)s)",
-}
-
-
 def build_parser(parser=None):
-    parser = parser or argparse.ArgumentParser(
-        prog="pacmpi bench masks", description=" ".join(__doc__.split("\n\n")[0].split()))
-    for field, default in asdict(BenchConfig()).items():
-        parser.add_argument("--" + field.replace("_", "-"), type=type(default), default=default,
-                            help=_HELP.get(field))
+    parser = parser or command_parser("pacmpi bench masks", __doc__)
+    for field in fields(BenchConfig):
+        kind = type(field.default)
+        parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default,
+                            metavar="N" if kind is int else "X", **field.metadata)
     parser.add_argument("--inject", type=lambda t: _names(t, FAULTS, "faults"), default=FAULTS,
-                        help=f"comma-separated faults, or 'none' (default {','.join(FAULTS)})")
+                        metavar="FAULT,FAULT",
+                        help=f"comma-separated faults from {','.join(FAULTS)}, or 'none' "
+                             f"(default {','.join(FAULTS)})")
     parser.add_argument("--on-mismatch", type=lambda t: _names(t, POLICIES, "policies"),
-                        default=POLICIES, help="policies each fault runs under (default both)")
+                        default=POLICIES, metavar="POLICY,POLICY",
+                        help=f"policies each fault runs under, comma-separated from "
+                             f"{','.join(POLICIES)} (default both)")
     parser.add_argument("--controls", action="store_true",
                         help="also run every fault at size zero (the negative control)")
-    parser.add_argument("--json", default=None, help="write the report here")
-    parser.add_argument("--out-dir", default=None,
-                        help="write the plot here, named after --json (<stem>_timeline.png)")
+    add_json_file(parser, "the report")
+    add_out_dir(parser, None, "write the timeline plot here, named after --json "
+                              "(<stem>_timeline.png; default: no plot)")
     return parser
 
 

@@ -1,4 +1,6 @@
-"""``pacmpi bench train``: time-to-accuracy of PacTrain against its baselines on shaped links.
+"""``pacmpi bench train``: run ``pacmpi train`` for every method and link rate (and seed) and
+compare PacTrain's time-to-accuracy with its baselines'; prints the table and writes the JSON
+report and plots to ``--out-dir``.
 
 The driver runs outside MPI. It pretrains the model once (a one-rank run of the training job
 that only fills the ``--pretrained`` cache), then launches the fine-tuning job
@@ -62,13 +64,23 @@ from pathlib import Path
 from pacmpi.adapters.pruning import PRUNING_CRITERIA
 from pacmpi.bench import harness
 from pacmpi.bench.harness import comma_list, format_spread, format_value, overlap, spread
+from pacmpi.cli_options import (
+    add_cache_dir,
+    add_json_file,
+    add_merge,
+    add_no_plots,
+    add_out_dir,
+    add_seeds,
+    add_timeout,
+    command_parser,
+)
 from pacmpi.experiments.data import cache_dir as lab_cache_dir
 from pacmpi.experiments.models import PRETRAINED_MODELS
 from pacmpi.launch import CalibrationError, TestbedError, run_command
 from pacmpi.methods import METHODS, canonical_name
 
 __all__ = ["DEFAULT_METHODS", "derive", "merge_reports", "run_benchmark", "format_table",
-           "write_plots", "build_parser", "main"]
+           "write_plots", "add_workload_options", "build_parser", "main"]
 
 DEFAULT_RATES = ("none", "100mbit", "1gbit")
 DEFAULT_METHODS = ("dense", "fp16", "topk-1%", "pactrain-0.5", "pactrain-0.8",
@@ -1079,47 +1091,79 @@ def _methods(text):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# The training job's knobs the drivers pass on to every job: (type, metavar, what it is).
+WORKLOAD_OPTIONS = {
+    "ranks": (int, "N", "ranks of every training job"),
+    "epochs": (int, "N", "pacmpi train --epochs of every job"),
+    "batch_size": (int, "N", "pacmpi train --batch-size (per rank)"),
+    "lr": (float, "LR", "pacmpi train --lr"),
+    "model": (str, "MODEL", "pacmpi train --model"),
+    "width": (int, "N", "pacmpi train --width"),
+    "hidden": (str, "N[,N]", "pacmpi train --hidden"),
+    "pretrain_epochs": (int, "N", "pacmpi train --pretrain-epochs (run once, then cached)"),
+    "eval_every": (int, "N", "pacmpi train --eval-every (steps)"),
+}
+
+
+def _workload(key, what):
+    """Help for an option passed on to every training job: ``what`` and its three presets."""
+    default = {"optimizer": "sgd", "eval_every": 0}.get(key)
+    return (f"{what} (default {FULL.get(key, default)}; {QUICK.get(key, default)} with --quick, "
+            f"{TEXT[key]} with --dataset codesearch)")
+
+
+def add_workload_options(parser, keys, defaults=None):
+    """``--KEY`` for each of ``keys`` (:data:`WORKLOAD_OPTIONS`), passed on to every training
+    job. ``defaults`` None: unset, the preset decides (FULL, --quick's or codesearch's, named in
+    the help); else a dict of fixed defaults."""
+    for key in keys:
+        kind, metavar, what = WORKLOAD_OPTIONS[key]
+        parser.add_argument("--" + key.replace("_", "-"), type=kind, metavar=metavar,
+                            default=None if defaults is None else defaults[key],
+                            help=_workload(key, what) if defaults is None else what)
+
+
 def build_parser(parser=None):
-    parser = parser or argparse.ArgumentParser(prog="pacmpi bench train",
-                                               description=__doc__.split("\n")[0])
+    parser = parser or command_parser("pacmpi bench train", __doc__)
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 2 unshaped ranks, 2 epochs (a few minutes)")
-    parser.add_argument("--rates", type=_words, default=None,
-                        help=f"link rates; 'none' = unshaped (default {','.join(DEFAULT_RATES)})")
-    parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
-                        help="method labels and presets, e.g. dense,fp16,ddp "
+    parser.add_argument("--rates", type=_words, default=None, metavar="RATE,RATE",
+                        help="link rates, comma-separated, tc units; 'none' = unshaped "
+                             f"(default {','.join(DEFAULT_RATES)}; none with --quick)")
+    parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS, metavar="M,M",
+                        help="method labels (METHOD[-RATIO], e.g. pactrain-0.8, topk-1%%) and "
+                             "presets, comma-separated, e.g. dense,fp16,ddp "
                              "(default "  # argparse %-formats help texts
-                             + ",".join(DEFAULT_METHODS).replace("%", "%%") + "; preset ddp = "
-                             + ",".join(DDP_METHODS) + ", run under torchrun)")
-    parser.add_argument("--sweep-ratios", type=comma_list(float), default=None,
-                        help="pruning ratios for accuracy vs ratio; '' = none "
-                             f"(default {','.join(map(str, DEFAULT_SWEEP))})")
+                             + ", ".join(DEFAULT_METHODS).replace("%", "%%") + "; preset ddp = "
+                             + ", ".join(DDP_METHODS) + ", run under torchrun)")
+    parser.add_argument("--sweep-ratios", type=comma_list(float), default=None, metavar="R,R",
+                        help="pruning ratios for the accuracy-vs-ratio sweep (PacTrain), "
+                             "comma-separated; '' = none "
+                             f"(default {','.join(map(str, DEFAULT_SWEEP))}; "
+                             f"{','.join(map(str, QUICK['sweep_ratios']))} with --quick)")
     parser.add_argument("--no-sweep", action="store_true",
                         help="no accuracy-vs-ratio sweep (= --sweep-ratios '')")
-    parser.add_argument("--sweep-rate", default="none")
-    for key in ("ranks", "epochs", "batch_size", "pretrain_epochs", "width", "eval_every"):
-        parser.add_argument("--" + key.replace("_", "-"), type=int, default=None,
-                            help=f"default {FULL.get(key, 0)} ({QUICK.get(key, 0)} with --quick, "
-                                 f"{TEXT[key]} with --dataset codesearch)")
+    parser.add_argument("--sweep-rate", default="none", metavar="RATE",
+                        help="the link rate the sweep runs at ('none' = unshaped)")
+    add_workload_options(parser, ("ranks", "epochs", "batch_size", "pretrain_epochs", "width",
+                                  "eval_every"))
     parser.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
-                        help="training job's optimizer (default sgd; adamw with --dataset "
-                             "codesearch)")
+                        help=_workload("optimizer", "pacmpi train --optimizer"))
     parser.add_argument("--timing-steps", type=int, default=None,
                         help="shaped rates run each method this many steps only, to time its "
                              "steps; its accuracy curve is its unshaped run's (rates must "
-                             "start with none); see the module doc")
+                             "start with none; default: every rate runs whole)")
     parser.add_argument("--curves", metavar="JSON", default=None,
                         help="with --timing-steps: take rate none's runs (every seed's accuracy "
                              "curves) from this earlier report of the same training instead of "
                              "running them")
-    parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--model", default=None,
-                        help=f"training job's --model (default {FULL['model']})")
+    add_workload_options(parser, ("lr", "model"))
     parser.add_argument("--dataset", default=None,
-                        help=f"training job's --dataset (default {FULL['dataset']}; digits32: "
-                             "the digits upscaled to 32x32, for --model resnet18)")
-    parser.add_argument("--hidden", default=None)
-    parser.add_argument("--nodes", type=int, default=None,
+                        help=f"pacmpi train --dataset (default {FULL['dataset']}; digits32: "
+                             "the digits upscaled to 32x32, for --model resnet18; codesearch "
+                             "switches the other defaults to its own)")
+    add_workload_options(parser, ("hidden",))
+    parser.add_argument("--nodes", type=int, default=None, metavar="K",
                         help="run every job on K simulated nodes (pacmpi-run --nodes), "
                              "ranks / K per node, each node's link at the rate (ddp-* "
                              "rows: a torchrun per node; no rate 'none')")
@@ -1127,28 +1171,28 @@ def build_parser(parser=None):
                         help="with --nodes: star (default; a private link per node) or shared "
                              "(one queue for all traffic)")
     parser.add_argument("--baseline-ratio", type=float, default=0.0,
-                        help="pruning ratio of the dense/fp16/TopK baselines (default 0)")
+                        help="pruning ratio of the dense/fp16/TopK baselines")
     parser.add_argument("--target-fraction", type=float, default=None,
                         help="TTA target as a fraction of dense fp32's final accuracy "
                              "(default 0.98; with --replot, the earlier run's)")
     parser.add_argument("--tolerance", type=float, default=0.15,
-                        help="refuse a rate whose calibration is this far off nominal")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per training job")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=comma_list(int), default=None,
-                        help="run everything once per seed, e.g. 0,1,2; the JSON keeps every "
-                             "run and adds median and range over seeds (default: --seed)")
+                        help="refuse a rate whose calibration is this far off nominal (a "
+                             "fraction)")
+    add_timeout(parser, 1200)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="pacmpi train --seed of every job, without --seeds")
+    add_seeds(parser, what="run everything once per seed, comma-separated (e.g. 0,1,2); the "
+                           "JSON keeps every run and adds median and range over seeds "
+                           "(default: --seed)")
     parser.add_argument("--prune-method", choices=PRUNING_CRITERIA, default="magnitude",
                         help="how the PacTrain rows prune (taylor: first-order saliency, "
                              "for pretrained models; grasp: at initialization with "
                              "--pretrain-epochs 0)")
-    parser.add_argument("--merge", metavar="JSON,JSON", type=_words, default=None,
-                        help="join earlier runs of the same workload (other seeds or methods) "
-                             "into --json, recompute, plot and print the table")
-    parser.add_argument("--cache-dir", default=None, help="pretrained-model cache")
-    parser.add_argument("--out-dir", default="results", help="JSON and plots (default results/)")
-    parser.add_argument("--json", default=None, help="default OUT_DIR/bench_train.json")
-    parser.add_argument("--no-plots", action="store_true")
+    add_merge(parser, "runs of the same workload (other seeds or methods)", needs_json=True)
+    add_cache_dir(parser)
+    add_out_dir(parser)
+    add_json_file(parser, "the report", default="OUT_DIR/bench_train.json")
+    add_no_plots(parser)
     parser.add_argument("--replot", metavar="JSON", default=None,
                         help="recompute TTA and speedups from an earlier run's JSON (at "
                              "--target-fraction), redraw its plots into --out-dir, print its "

@@ -24,6 +24,16 @@ import argparse
 import shlex
 import sys
 
+from pacmpi.cli_options import (
+    HelpFormatter,
+    add_hostfile,
+    add_link,
+    add_mpirun,
+    add_nodes,
+    add_oversubscribe,
+    add_timeout,
+)
+
 from ._signals import unwind_on_signals
 from .mpi import ALLREDUCE_CHOICES, MPIDetectionError
 from .runner import run_command
@@ -38,28 +48,26 @@ def build_parser():
     """The argument parser (options only; the command follows ``--``)."""
     parser = argparse.ArgumentParser(
         prog="pacmpi-run", usage="pacmpi-run -n N [options] -- COMMAND [ARGS...]",
+        formatter_class=HelpFormatter,
         description="Run COMMAND on N ranks with mpirun (or horovodrun, torchrun), optionally on a "
-                    "bandwidth-limited link simulated in a network namespace.")
-    parser.add_argument("-n", "--np", type=int, required=True, metavar="N", help="number of ranks")
-    parser.add_argument("--link", metavar="RATE",
-                        help="shape one shared link to RATE (tc units: 100mbit, 1gbit, ...; "
-                             "'none' = host network) inside a private network namespace; "
-                             "needs root")
+                    "bandwidth-limited link simulated in a network namespace; COMMAND's output "
+                    "passes through, and the exit status is the launcher's (--dry-run: print "
+                    "the commands, run nothing).")
+    parser.add_argument("-n", "--np", type=int, required=True, metavar="N",
+                        help="number of ranks; required")
+    add_link(parser)
     launcher = parser.add_mutually_exclusive_group()
     launcher.add_argument("--horovod", action="store_true", help="launch with horovodrun --gloo")
     launcher.add_argument("--torchrun", action="store_true",
                           help="launch with torchrun --standalone --nproc-per-node N "
                                "--no-python (gloo/NCCL via torch.distributed); with --nodes K "
                                "a torchrun --nnodes K per node")
-    parser.add_argument("--nodes", type=int, metavar="K",
-                        help="with --link: K simulated nodes, each a network namespace with its "
-                             "own Open MPI daemon and a RATE link to a switch; N/K ranks per node")
+    add_nodes(parser)
     parser.add_argument("--topology", choices=("star", "shared"),
                         help="with --nodes: 'star' (default) shapes every node's link both ways; "
                              "'shared' puts all traffic through one RATE queue")
-    parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than cores (Open MPI; automatic with --link)")
-    parser.add_argument("--hostfile", help="host file for multi-node runs")
+    add_oversubscribe(parser)
+    add_hostfile(parser)
     parser.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
                         help="forward (NAME) or set (NAME=VALUE) an environment variable on all "
                              "ranks; repeatable")
@@ -71,11 +79,8 @@ def build_parser():
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="with --link, skip the link calibration")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
-                        help="end the run after SECONDS (exit status 124)")
-    parser.add_argument("--mpirun", metavar="PATH",
-                        help="MPI launcher, a path or a name (default: $PACMPI_MPIRUN, else "
-                             "mpirun beside the running Python, else on PATH)")
+    add_timeout(parser, None, "end the run after SECONDS, exit status 124 (default: no limit)")
+    add_mpirun(parser)
     return parser
 
 
@@ -93,7 +98,8 @@ def main(argv=None):
     parser = build_parser()
     options, command = _split(argv)
     if command is None:
-        parser.add_argument("command", nargs=argparse.REMAINDER)
+        parser.add_argument("command", nargs=argparse.REMAINDER,
+                            help="the command every rank runs, with its arguments (after --)")
         args = parser.parse_args(options)
         command = args.command
     else:

@@ -1,4 +1,5 @@
-"""``pacmpi doctor``: one screen on what works here and what does not, with the fix for each.
+"""``pacmpi doctor``: check what works on this host (MPI, mpirun, CUDA, torch, Horovod, the test
+bed); prints one screen with the fix for each part that does not, or JSON.
 
 Each line is one :class:`Check`: Python, NumPy, mpi4py, the MPI library behind it (vendor,
 version, MPI standard, singleton start), the ``mpirun`` that launchers will use and whether it
@@ -10,7 +11,6 @@ tbf: a real one is built and removed) and slots versus ``--ranks``. Statuses: ``
 required part -- Python, NumPy, mpi4py, the MPI library, ``mpirun`` -- is absent or broken).
 Exit status 1 when any check fails, else 0; ``--json`` for scripts.
 """
-import argparse
 import importlib
 import json
 import os
@@ -21,6 +21,8 @@ import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pacmpi.cli_options import add_json_flag, command_parser
 
 from .launchers import LauncherNotFoundError, env_variable, locate_launcher, python_env_bin
 from .mpi import MPIDetectionError, detect_mpi
@@ -355,11 +357,10 @@ def format_report(checks, columns=None):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="pacmpi doctor",
-                                     description=__doc__.split("\n\n")[0].partition(": ")[2])
+    parser = command_parser("pacmpi doctor", __doc__)
     parser.add_argument("--ranks", type=int, default=4, metavar="N",
-                        help="ranks you plan to run on this host (default 4)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the screen")
+                        help="ranks you plan to run on this host (checked against its slots)")
+    add_json_flag(parser, "the screen")
     return parser
 
 

@@ -1,5 +1,6 @@
-"""``pacmpi tune``: time the MPI library's all-reduce algorithms on your payload sizes and print
-the fastest settings to export.
+"""``pacmpi tune``: time the MPI library's all-reduce algorithms on your payload sizes, one job per
+algorithm; prints the fastest settings to export (an Open MPI rules file when the winner changes
+with the size), and ``--json`` writes every measurement.
 
 In the spirit of osu_allreduce and nccl-tests' all_reduce_perf, once per algorithm: Open MPI
 reads ``coll_tuned_allreduce_algorithm`` when MPI starts, so every algorithm runs as a job of
@@ -19,7 +20,6 @@ total. A last job started with exactly the printed lines reads back from the lib
 was told to run. Why a command of its own and not ``pacmpi doctor``: the doctor answers in
 seconds what is set; this starts one job per algorithm and measures.
 """
-import argparse
 import math
 import shlex
 import subprocess
@@ -30,7 +30,20 @@ from pathlib import Path
 import numpy as np
 
 from pacmpi.bench import harness
+from pacmpi.bench.models import MODELS
 from pacmpi.buckets import BucketLayout
+from pacmpi.cli_options import (
+    add_hostfile,
+    add_iters,
+    add_json_file,
+    add_link,
+    add_mpirun,
+    add_nodes,
+    add_oversubscribe,
+    add_timeout,
+    add_warmup,
+    command_parser,
+)
 from pacmpi.costmodel import tensors
 from pacmpi.units import parse_size
 
@@ -192,33 +205,35 @@ def _size(nbytes):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="pacmpi tune", description=(__doc__ or "").partition(
-        ": ")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("pacmpi tune", __doc__)
     parser.add_argument("-n", "--np", type=int, default=2, metavar="N",
                         help="ranks to tune for (default %(default)s; rules apply from N up)")
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--sizes", default="4K,64K,1M,16M",
-                      help="payload bytes per all-reduce (default %(default)s)")
-    what.add_argument("--model", help="the fusion buckets of this model (pacmpi bench models)")
+    what.add_argument("--sizes", default="4K,64K,1M,16M", metavar="SIZE,SIZE",
+                      help="payload bytes per all-reduce, comma-separated, K/M/G binary "
+                           "(default %(default)s)")
+    what.add_argument("--model", metavar="NAME",
+                      help="time the fusion buckets of this model instead of --sizes: one of "
+                           + ", ".join(MODELS))
     parser.add_argument("--nonblocking", action="store_true",
                         help="tune the non-blocking all-reduce (MPI_Iallreduce, in place), "
                              "which PacTrainReducer runs, instead of MPI_Allreduce (Horovod's)")
     parser.add_argument("--algorithms", default=None,
+                        metavar="A,A",
                         help="comma-separated numbers or names to time (default: all, and "
                              "the library's default choice)")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--link", help="on pacmpi-run's shaped link (needs root)")
-    parser.add_argument("--nodes", type=int, help="on pacmpi-run's simulated nodes (with --link)")
-    parser.add_argument("--oversubscribe", action="store_true",
-                        help="more ranks than cores (as for pacmpi-run)")
-    parser.add_argument("--hostfile", help="host file (as for pacmpi-run)")
-    parser.add_argument("--mpirun", help="MPI launcher (as for pacmpi-run)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
-    parser.add_argument("--rules", default="pacmpi-allreduce-rules.conf",
+    add_iters(parser, 5, "timed all-reduces per size and algorithm")
+    add_warmup(parser, 1, "untimed all-reduces before them")
+    add_link(parser)
+    add_nodes(parser)
+    add_oversubscribe(parser)
+    add_hostfile(parser)
+    add_mpirun(parser)
+    add_timeout(parser, 600, "seconds per job (one per algorithm)")
+    parser.add_argument("--rules", default="pacmpi-allreduce-rules.conf", metavar="FILE",
                         help="where to write an Open MPI rules file when the winner changes "
                              "with the size (default %(default)s)")
-    parser.add_argument("--json", help="write every measurement to this JSON file")
+    add_json_file(parser, "every measurement")
     return parser
 
 
@@ -233,7 +248,6 @@ def main(argv=None):
 
 
 def _tune(args):
-    from pacmpi.bench.models import MODELS
     if args.model is not None and args.model not in MODELS:
         raise ValueError(f"unknown model {args.model!r}; choose from {', '.join(MODELS)}")
     sizes = sorted(bucket_sizes(args.model) if args.model else

@@ -8,8 +8,12 @@ the command's words and pointing at a ``main(argv)`` function, e.g. in ``pyproje
     "train" = "pacmpi.experiments.train:main"
 
 The core therefore never imports the adapters or the launch helpers: it only reads the
-metadata of what is installed. ``pacmpi --help`` lists the commands with the first line of
-each target module's docstring, read from its source without importing it (no torch).
+metadata of what is installed. ``pacmpi --help`` lists the commands with the first sentence of
+each target module's docstring, read from its source without importing it (no torch); the
+first paragraph is the command's own ``--help`` description
+(:func:`pacmpi.cli_options.description`), and :meth:`Command.parser` builds its parser without
+running it, by a naming rule: a ``main`` target's module has ``build_parser()``, an ``X_main``
+target's ``build_X_parser()``.
 Commands run through :func:`pacmpi.faults.run_main`, so an exception on one rank ends the
 whole job instead of leaving the others blocked in a collective.
 """
@@ -21,6 +25,7 @@ import textwrap
 from dataclasses import dataclass
 from importlib.metadata import distributions
 
+from .cli_options import description
 from .faults import run_main
 
 __all__ = ["main"]
@@ -47,27 +52,40 @@ class Command:
             function = getattr(function, name)
         return function
 
+    def parser(self):
+        """The command's ``argparse`` parser, built without running the command: the target
+        module's ``build_parser()`` for a ``main`` target, ``build_X_parser()`` for an
+        ``X_main`` one (this imports the module, torch included where it needs torch)."""
+        module, _, attr = self.target.partition(":")
+        name = (attr or "main").rpartition(".")[2]
+        if not name.endswith("main"):
+            raise ValueError(f"{self.target}: a command's target is main or X_main")
+        builder = "build_" + name[:-len("main")] + "parser"
+        return getattr(importlib.import_module(module), builder)()
+
     def __call__(self, argv):
         # Loading happens here, inside run_main, so that a failed import (torch missing) is
         # reported like any other failure and ends every rank.
         return self.load()(argv)
 
     def summary(self):
-        """The first sentence of the target module's docstring, without its ``pacmpi
-        WORDS:`` prefix; the module is located (its parent packages imported) but not run."""
+        """The first sentence of the command's description, without its ``pacmpi WORDS:``
+        prefix: the target module's docstring for a ``main`` target, the function's own for an
+        ``X_main`` one (two commands in one module); the module is located (its parent packages
+        imported) but not run."""
         try:
             spec = importlib.util.find_spec(self.module)
             if spec is None or not spec.has_location:
                 return f"(cannot read {self.module}: no such module file)"
             with open(spec.origin, encoding="utf-8") as source:
-                doc = ast.get_docstring(ast.parse(source.read())) or ""
+                tree = ast.parse(source.read())
         except (ImportError, OSError, SyntaxError, ValueError) as exc:
             return f"(cannot read {self.module}: {exc})"
-        paragraph = " ".join(doc.split("\n\n")[0].split())
-        prefix = f"``pacmpi {' '.join(self.words)}``: "
-        if paragraph.startswith(prefix):
-            paragraph = paragraph[len(prefix):]
-        return re.split(r"(?<=\.)\s|\s--\s", paragraph)[0].rstrip(".")
+        name = self.target.partition(":")[2] or "main"
+        functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                     and node.name == name and name != "main"]
+        doc = ast.get_docstring(functions[0] if functions else tree) or ""
+        return re.split(r"(?<=[.;])\s|\s--\s", description(doc))[0].rstrip(".;")
 
 
 def commands():

@@ -1,15 +1,20 @@
-"""``pacmpi info``: versions, the MPI library and its CUDA-awareness, ternary wire bits."""
-import argparse
-
+"""``pacmpi info``: versions, the MPI library and its CUDA-awareness, the codec kernels and the
+ternary wire bits per word type; prints what pacmpi runs on (``pacmpi doctor`` checks more, with
+fixes)."""
 import numpy as np
 
-__all__ = ["main"]
+from .cli_options import command_parser
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser():
+    return command_parser("pacmpi info", __doc__)
 
 
 def main(argv=None):
     """Print what pacmpi runs on (``pacmpi doctor`` checks more, with fixes)."""
-    argparse.ArgumentParser(prog="pacmpi info", description=(__doc__ or "").partition(": ")[2]
-                            ).parse_args(argv)
+    build_parser().parse_args(argv)
     # Imported here: initializing MPI is this command's job, not the import's.
     from mpi4py import MPI
 

@@ -1,4 +1,6 @@
-"""``pacmpi bench memory``: the memory pacmpi itself adds per rank, by component, for the reducer.
+"""``pacmpi bench memory``: measure the memory pacmpi's reducer adds per rank, by component, for
+each quantize mode and mask density; rank 0 prints a table of ratios to the gradient's bytes and
+``--json`` writes it.
 
 For each quantize mode and mask density the reducer runs a few steps on one gradient of
 ``--elements`` float32 values (one bucket, a view of the gradient: no fusion buffer) under a
@@ -19,7 +21,6 @@ random mask. Reported per rank, each as a ratio of the gradient's bytes:
 The DDP hook and the Horovod compressor are measured by ``pacmpi bench hook`` (they need torch),
 with the same components and columns (:func:`format_table`).
 """
-import argparse
 import ctypes
 import ctypes.util
 import functools
@@ -30,6 +31,7 @@ import tracemalloc
 import numpy as np
 
 from .. import kernels
+from ..cli_options import add_densities, add_json_file, command_parser
 from ..engine import MEMORY_COMPONENTS
 from ..units import parse_size
 from . import harness
@@ -178,16 +180,16 @@ def format_table(rows):
 
 
 def build_parser(parser=None):
-    parser = parser or argparse.ArgumentParser(prog="pacmpi bench memory", description=(
-        __doc__.split("\n\n")[0]))
-    parser.add_argument("--elements", type=parse_size, default=1 << 22,
-                        help="float32 values in the gradient (default 4M; 32M is 128 MiB)")
-    parser.add_argument("--densities", default="1.0,0.5,0.2",
-                        help="comma-separated mask densities")
-    parser.add_argument("--modes", default="lossless,ternary",
-                        help=f"comma-separated modes from {sorted(MODES)}")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", default=None, help="write the report here (rank 0)")
+    parser = parser or command_parser("pacmpi bench memory", __doc__)
+    parser.add_argument("--elements", type=parse_size, default=1 << 22, metavar="N",
+                        help="float32 values in the gradient, K/M/G binary (default 4M; 32M is "
+                             "128 MiB)")
+    add_densities(parser, "1.0,0.5,0.2")
+    parser.add_argument("--modes", default="lossless,ternary", metavar="MODE,MODE",
+                        help=f"quantize modes, comma-separated, from {', '.join(sorted(MODES))}")
+    parser.add_argument("--steps", type=int, default=3, metavar="N",
+                        help="reducer steps per measurement (the memory is read after them)")
+    add_json_file(parser, "the report")
     return parser
 
 
