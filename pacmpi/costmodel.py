@@ -39,7 +39,6 @@ where the ring all-reduce's ``2 (P - 1) / P`` saturates. PowerSGD of rank ``r`` 
 :func:`predict` evaluates the model. ``compute_s`` adds a step's
 compute, not overlapped with communication (a conservative choice for the speedup).
 """
-import argparse
 import itertools
 import json
 import math
@@ -49,6 +48,7 @@ import sys
 import numpy as np
 
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout
+from .cli_options import add_json_flag, add_peer_options, command_parser
 from .methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from .ternary import TernaryCodec
 from .units import parse_rate, parse_size
@@ -509,24 +509,31 @@ def format_points(points):
     return "\n".join(lines)
 
 
-def calibrate_main(argv=None):
-    """``pacmpi model calibrate``: fit the cost model to benchmark JSON, check held-out runs."""
-    parser = argparse.ArgumentParser(prog="pacmpi model calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_calibrate_parser():
+    parser = command_parser("pacmpi model calibrate", calibrate_main.__doc__)
     parser.add_argument("--json", nargs="+", required=True, metavar="FILE",
                         help="`pacmpi bench allreduce --model NAME (or --sizes) --link RATE "
-                             "--json` files to fit (TopK's rows are predicted, not fitted)")
+                             "--json` files to fit (TopK's rows are predicted, not fitted); "
+                             "required")
     parser.add_argument("--validate", nargs="*", default=[], metavar="FILE",
-                        help="held-out benchmark files: predicted vs measured, not fitted")
-    parser.add_argument("--host-cores", type=int, default=os.cpu_count(),
+                        help="held-out benchmark files: predicted vs measured, not fitted "
+                             "(default: none)")
+    parser.add_argument("--host-cores", type=int, default=os.cpu_count(), metavar="N",
                         help="cores the benchmark's ranks shared (default: this host's, "
                              "%(default)s)")
-    parser.add_argument("--intra-rate", default="160gbit",
-                        help="a node's internal all-reduce rate for hierarchical predictions "
-                             "(not fitted; default %(default)s, PCIe 4.0 x16)")
-    parser.add_argument("--out", default=_FIT_FILE,
-                        help="where to write the fitted model (default %(default)s)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--intra-rate", default="160gbit", metavar="RATE",
+                        help="a node's internal all-reduce rate for hierarchical predictions, "
+                             "tc units (not fitted; default %(default)s, PCIe 4.0 x16)")
+    parser.add_argument("--out", default=_FIT_FILE, metavar="FILE",
+                        help="where to write the fitted model, JSON (default %(default)s)")
+    return parser
+
+
+def calibrate_main(argv=None):
+    """``pacmpi model calibrate``: fit the cost model (latency, link efficiency, codec rates) to
+    ``pacmpi bench allreduce --link`` JSON files; prints the fit with its error on every point
+    and held-out run, and writes it to ``--out`` (what ``pacmpi model predict`` reads)."""
+    args = build_calibrate_parser().parse_args(argv)
     _check_int("--host-cores", args.host_cores)
     fit = calibrate(_load(args.json), host_cores=args.host_cores,
                     intra_Bps=parse_rate(args.intra_rate) / 8)
@@ -594,40 +601,55 @@ def format_comparison(rows):
     return "\n".join(lines)
 
 
-def predict_main(argv=None):
-    """``pacmpi model predict``: seconds per step and the speedup over dense fp32 and fp16, or
-    every method compared (``--compare``)."""
+def build_predict_parser():
     from .bench.models import MODELS
-    parser = argparse.ArgumentParser(prog="pacmpi model predict", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, required=True)
-    parser.add_argument("--nodes", type=int, default=None,
+    parser = command_parser("pacmpi model predict", predict_main.__doc__)
+    parser.add_argument("--ranks", type=int, required=True, metavar="N",
+                        help="ranks of the predicted job; required")
+    parser.add_argument("--nodes", type=int, default=None, metavar="K",
                         help="nodes the ranks fill evenly (default: one rank per node)")
-    parser.add_argument("--link", required=True, help="per-node (star) or shared link rate")
-    parser.add_argument("--topology", choices=TOPOLOGIES, default="star")
+    parser.add_argument("--link", required=True, metavar="RATE",
+                        help="per-node (star) or shared link rate, tc units (100mbit, 1gbit, "
+                             "...); required")
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="star",
+                        help="star: every node has its own link to a switch; shared: all "
+                             "traffic crosses one link")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--model", choices=MODELS)
-    size.add_argument("--bytes", dest="nbytes", help="float32 gradient bytes (e.g. 100M)")
+    size.add_argument("--model", choices=MODELS,
+                      help="the gradient of this architecture, in 25 MiB fusion buckets (this "
+                           "or --bytes is required)")
+    size.add_argument("--bytes", dest="nbytes", metavar="SIZE",
+                      help="float32 gradient bytes, K/M/G binary (e.g. 100M), one bucket")
     parser.add_argument("--density", type=float, default=1.0,
-                        help="PacTrain's mask density (default 1)")
+                        help="PacTrain's mask density: the fraction of the gradient kept")
     parser.add_argument("--method", default="pactrain",
-                        help=f"one of {', '.join(METHODS)} (default %(default)s)")
+                        help=f"one of {', '.join(METHODS)}")
     parser.add_argument("--compare", action="store_true",
                         help="every method, fastest first, the winner named")
-    for name, default in PEER_DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
-                            help="the peer's knob (default %(default)s)")
-    parser.add_argument("--compute-s", type=float, default=0.0,
-                        help="compute seconds per step, not overlapped (default 0)")
-    parser.add_argument("--hierarchical", action="store_true")
-    parser.add_argument("--host-cores", type=int, default=None,
-                        help="all ranks share one host of this many cores (the test bed)")
+    add_peer_options(parser)
+    parser.add_argument("--compute-s", type=float, default=0.0, metavar="SECONDS",
+                        help="compute seconds per step, not overlapped with communication")
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="reduce in two levels: within each node at the fit's intra-node "
+                             "rate, then across one leader per node")
+    parser.add_argument("--host-cores", type=int, default=None, metavar="N",
+                        help="all ranks share one host of this many cores, which slows their "
+                             "codec (the test bed; default: a host per node, cores enough)")
     parser.add_argument("--no-codec", action="store_true",
                         help="free codec and verification (a GPU's kernels, a lower bound)")
-    parser.add_argument("--fit", default=None,
+    parser.add_argument("--fit", default=None, metavar="FILE",
                         help=f"fitted model from `pacmpi model calibrate` (default {_FIT_FILE} "
                              f"when it exists here, else uncalibrated; 'none': uncalibrated)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    add_json_flag(parser)
+    return parser
+
+
+def predict_main(argv=None):
+    """``pacmpi model predict``: predict the seconds per step of a model's gradient all-reduce
+    on a cluster you describe (ranks, nodes, link) from the calibrated cost model; prints the
+    step time and the speedup over dense fp32 and fp16, or every method, fastest first
+    (``--compare``), or JSON."""
+    parser = build_predict_parser()
     args = parser.parse_args(argv)
     if args.fit is None and not os.path.exists(_FIT_FILE):
         # Outside the repository (an installed wheel, another directory) there is no fit; say

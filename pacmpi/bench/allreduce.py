@@ -1,4 +1,6 @@
-"""``pacmpi bench allreduce``: dense vs packed vs ternary all-reduce, like nccl-tests.
+"""``pacmpi bench allreduce``: time the dense, packed and ternary all-reduces (and the peers) per
+size and mask density, like nccl-tests; rank 0 prints a row per (size, density, method) and
+``--json`` writes the rows.
 
 Columns: time per all-reduce (slowest rank), algbw = dense-equivalent bytes / time, busbw =
 algbw * 2(n-1)/n, bytes each rank puts into the all-reduce, pacmpi's pack+unpack (including
@@ -48,7 +50,6 @@ they agree to 4e-7 of it), while a corrupted payload is off by its own size. Pow
 products run on NumPy's BLAS: where ranks share cores, give each one thread (``mpirun -x
 OMP_NUM_THREADS=1``), or their threads contend.
 """
-import argparse
 import math
 import time
 
@@ -57,6 +58,15 @@ import numpy as np
 from .. import kernels
 from ..arrays import to_host
 from ..buckets import DEFAULT_BUCKET_BYTES, BucketLayout
+from ..cli_options import (
+    add_densities,
+    add_device,
+    add_iters,
+    add_json_file,
+    add_peer_options,
+    add_warmup,
+    command_parser,
+)
 from ..collectives import allreduce_algorithm, block_bounds, default_collectives
 from ..costmodel import PEER_DEFAULTS, _check_int, powersgd_values, ring_factor, topk_count
 from ..hierarchy import HierarchicalCollectives
@@ -514,30 +524,21 @@ def format_table(rows):
 
 
 def build_parser(parser=None):
-    parser = parser or argparse.ArgumentParser(prog="pacmpi bench allreduce",
-                                               description=__doc__)
-    parser.add_argument("--sizes", default="1M,4M,16M,64M,256M",
-                        help="comma-separated dense-equivalent float32 sizes (default %(default)s)")
-    parser.add_argument("--densities", default="1.0,0.5,0.2,0.1",
-                        help="comma-separated mask densities (default %(default)s)")
+    parser = parser or command_parser("pacmpi bench allreduce", __doc__)
+    parser.add_argument("--sizes", default="1M,4M,16M,64M,256M", metavar="SIZE,SIZE",
+                        help="dense-equivalent float32 bytes per all-reduce, comma-separated, "
+                             "K/M/G binary")
+    add_densities(parser, "1.0,0.5,0.2,0.1")
     parser.add_argument("--methods", default=",".join(ALLREDUCE_METHODS),
                         help="comma-separated subset of " + ", ".join(BENCH_METHODS)
                         + " (default: the all-reduce methods, not the peers; powersgd needs "
                         "--model)")
-    parser.add_argument("--topk-ratio", type=float, default=PEER_DEFAULTS["topk_ratio"],
-                        help="the share of values topk sends (default %(default)s)")
-    parser.add_argument("--dgc-ratio", type=float, default=PEER_DEFAULTS["dgc_ratio"],
-                        help="the share of each tensor's values dgc sends, at least one "
-                             "(default %(default)s)")
-    parser.add_argument("--powersgd-rank", type=int, default=PEER_DEFAULTS["powersgd_rank"],
-                        help="the rank of powersgd's approximations (default %(default)s)")
-    parser.add_argument("--iters", type=int, default=None,
-                        help="timed iterations (default: 3..20, fewer for large sizes)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket-bytes", type=parse_size, default=None,
-                        help="fusion bucket size (default: the message size)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="NumPy host buffers or CuPy device buffers (default %(default)s)")
+    add_peer_options(parser)
+    add_iters(parser, None, "timed all-reduces per row (default: 3..20, fewer for large sizes)")
+    add_warmup(parser, 2, "untimed all-reduces before each row's timed ones")
+    parser.add_argument("--bucket-bytes", type=parse_size, default=None, metavar="SIZE",
+                        help="fusion bucket size, K/M/G binary (default: the message size)")
+    add_device(parser, "NumPy host buffers (cpu) or CuPy device buffers (cuda)")
     parser.add_argument("--cuda-aware", choices=("auto", "yes", "no"), default="auto",
                         help="hand device buffers to MPI (yes), stage them through host memory "
                              "(no), or ask the MPI library (auto, the default)")
@@ -550,7 +551,7 @@ def build_parser(parser=None):
                              "algorithm MPI ran; pacmpi-run does the shaping and pins the ring")
     parser.add_argument("--topology", choices=("shared", "star"), default="shared",
                         help="the test bed's topology, recorded with --link (default %(default)s)")
-    parser.add_argument("--nodes", type=int, default=None,
+    parser.add_argument("--nodes", type=int, default=None, metavar="K",
                         help="simulated nodes, recorded with --link (default: one per rank)")
     parser.add_argument("--hierarchical", action="store_true",
                         help="reduce in two levels: within each node, then across one leader "
@@ -558,7 +559,7 @@ def build_parser(parser=None):
     parser.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                         help="with --hierarchical: simulate nodes of N consecutive ranks "
                              "(default: the real nodes, by host and network namespace)")
-    parser.add_argument("--json", default=None, help="write the rows to this JSON file")
+    add_json_file(parser, "the rows")
     return parser
 
 
