@@ -40,8 +40,10 @@ class HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
     def _split_lines(self, text, width):
-        # Not at hyphens: "pactrain-ternary" and "--no-sweep" stay whole.
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+        # Not at hyphens, nor inside a word: "pactrain-ternary", "--no-sweep" and a list like
+        # "dense,fp16,pactrain" stay whole (a word longer than the column overflows it).
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False,
+                             break_long_words=False)
 
 
 def description(doc):
