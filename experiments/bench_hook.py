@@ -1,5 +1,6 @@
-"""``pacmpi bench hook``: pacmpi's own cost per step in the DDP hook and the Horovod compressor:
-memory by component and time per step against the number of parameter tensors.
+"""``pacmpi bench hook``: measure pacmpi's own cost per step in the DDP hook and the Horovod
+compressor (memory by component, time per step against the number of parameter tensors); rank 0
+prints a table per part and ``--json`` writes them.
 
 Run it on 2+ ranks: ``mpirun -n 2 pacmpi bench hook`` (or under ``torchrun``; gloo on CPU).
 
@@ -31,7 +32,6 @@ the device memory above plain DDP's run of the same model: torch's peak allocati
 the blocks it ever used until freed, so that is its high-water mark); ``rss`` stays the host's.
 scripts/gpu_check.sh runs it.
 """
-import argparse
 import atexit
 import functools
 import gc
@@ -52,6 +52,7 @@ from pacmpi.bench.memory import (
     ratio_row,
 )
 from pacmpi.bench.memory import format_table as format_memory_table
+from pacmpi.cli_options import add_densities, add_device, add_json_file, command_parser
 
 __all__ = ["run_memory", "run_time", "main"]
 
@@ -362,28 +363,31 @@ def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
 
 # ---------------------------------------------------------------- command
 def build_parser(parser=None):
-    parser = parser or argparse.ArgumentParser(prog="pacmpi bench hook",
-                                               description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("memory", "time", "all"), default="all")
+    parser = parser or command_parser("pacmpi bench hook", __doc__)
+    parser.add_argument("--part", choices=("memory", "time", "all"), default="all",
+                        help="which measurement: memory by component, time per step, or both")
     parser.add_argument("--frontend", choices=("ddp", "horovod"), default="ddp",
                         help="memory part: the DDP hook or the Horovod compressor")
-    parser.add_argument("--layers", type=int, default=8, help="memory part: Linear layers")
-    parser.add_argument("--width", type=int, default=1024, help="memory part: their width")
-    parser.add_argument("--densities", default="1.0,0.5,0.2")
-    parser.add_argument("--tensors", default="40,400",
-                        help="time part: parameter tensors per model (2 per layer)")
-    parser.add_argument("--time-width", type=int, default=64,
+    parser.add_argument("--layers", type=int, default=8, metavar="N",
+                        help="memory part: Linear layers")
+    parser.add_argument("--width", type=int, default=1024, metavar="N",
+                        help="memory part: their width (inputs = outputs)")
+    add_densities(parser, "1.0,0.5,0.2", "memory part: weight densities")
+    parser.add_argument("--tensors", default="40,400", metavar="N,N",
+                        help="time part: parameter tensors per model (2 per layer), "
+                             "comma-separated")
+    parser.add_argument("--time-width", type=int, default=64, metavar="N",
                         help="time part: the width at the first tensor count")
-    parser.add_argument("--steps", type=int, default=20, help="time part: timed steps")
+    parser.add_argument("--steps", type=int, default=20, metavar="N",
+                        help="time part: timed steps")
     parser.add_argument("--control", action="store_true",
                         help="time part: add a control row per tensor count: DDP's default "
                              "all-reduce, pacmpi reducing one fixed tensor in the hook")
     parser.add_argument("--back-to-back", action="store_true",
                         help="time part: each model's steps back to back (default: the models "
                              "stepped in turn, one step each)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="DDP on CPU (gloo) or on CUDA tensors (NCCL, a GPU per rank)")
-    parser.add_argument("--json", default=None, help="write the report here (rank 0)")
+    add_device(parser, "DDP on CPU (gloo) or on CUDA tensors (NCCL, a GPU per rank)")
+    add_json_file(parser, "the report")
     return parser
 
 
