@@ -40,6 +40,7 @@ baseline, so its accuracy is what PacTrain (lossless) must match.
 """
 import argparse
 import atexit
+import copy
 import dataclasses
 import hashlib
 import json
@@ -64,6 +65,7 @@ from pacmpi.adapters.pruning import (
     named_prunable_parameters,
     prune,
 )
+from pacmpi.adapters.recipe import cubic_milestones, linear_weights
 from pacmpi.adapters.torch_sync import (
     barrier,
     broadcast_buffers,
@@ -109,6 +111,8 @@ BACKENDS = tuple(BACKEND_METHODS)
 # digits32: the digits upscaled to 32x32; codesearch: docstring <-> signature retrieval
 # (pacmpi.experiments.codesearch), fine-tuning the pretrained MiniLM.
 DATASETS = ("digits", "digits32", "cifar10", "codesearch")
+# --prune-layers: prune()'s own default selection, or the transformer recipe's.
+PRUNE_LAYERS = ("all", "linear")
 DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "cifar_cnn", "digits32": "resnet18",
                   "codesearch": "minilm"}
 
@@ -163,7 +167,8 @@ class TrainConfig:
                     "terngrad, dgc and powersgd (which --backend runs which: see --backend)",
         choices=tuple(METHODS))
     ratio: float = knob(0.5, "pruning ratio: the fraction of prunable weights removed before "
-                             "fine-tuning (ignored with --gradual)")
+                             "fine-tuning, or by the end of --prune-steps (ignored with "
+                             "--gradual)")
     prune_method: str = knob(
         "magnitude", "pruning criterion: magnitude (|W|), taylor (first-order saliency |W*g|, "
                      "for pretrained models) or grasp (at initialization)",
@@ -172,6 +177,28 @@ class TrainConfig:
         None, "gradual pruning schedule STEP:RATIO,STEP:RATIO (e.g. 100:0.5,200:0.8): prune to "
               "RATIO at fine-tuning step STEP, replacing --ratio (default: prune once, to "
               "--ratio, before fine-tuning)", metavar="STEP:RATIO,...")
+    prune_layers: str = knob(
+        "all", "which weights --ratio counts: all (every weight matrix and embedding table; "
+               "norms and biases stay dense) or linear (the recipe for transformers: the linear "
+               "layers' weight matrices only, embeddings and classification/pooling heads "
+               "dense; pacmpi.adapters.recipe.linear_weights)", choices=PRUNE_LAYERS)
+    prune_steps: int = knob(
+        0, "prune gradually over the first N fine-tuning steps, on the cubic schedule from "
+           "--initial-ratio to --ratio (pacmpi.adapters.recipe), moving the mask every "
+           "--prune-every steps (0: one shot, before fine-tuning)", metavar="N")
+    prune_every: int = knob(10, "with --prune-steps: steps between two moves of the mask")
+    initial_ratio: float = knob(0.0, "with --prune-steps: the pruning ratio the cubic schedule "
+                                     "starts from (at step 0)")
+    rewarm_steps: int = knob(
+        0, "after each move of the mask (--prune-steps, --gradual), ramp the learning rate "
+           "linearly back up to --lr over N steps (0: no re-warm)", metavar="N")
+    distill: float = knob(
+        0.0, "knowledge distillation: this share of the loss is the KL divergence from the "
+             "dense model's output distribution (the model as loaded, before pruning: one more "
+             "forward per step), the rest the task's loss (0: off)", metavar="SHARE")
+    freeze_embeddings: bool = knob(
+        False, "freeze every embedding table (no gradient, nothing sent for it), whatever the "
+               "method")
     epochs: int = knob(3, "fine-tuning epochs")
     eval_every: int = knob(0, "also evaluate every this many fine-tuning steps (0: after each "
                               "epoch only); evaluation time is not counted as training time")
@@ -261,6 +288,8 @@ def _config(config):
               (cfg.backend in BACKENDS, f"backend must be one of {BACKENDS}"),
               (cfg.dataset in DATASETS, f"dataset must be one of {DATASETS}, got {cfg.dataset!r}"),
               (cfg.dataset != "cifar10" or cfg.data_dir, "--dataset cifar10 needs --data-dir"),
+              (cfg.prune_layers in PRUNE_LAYERS,
+               f"prune_layers must be one of {PRUNE_LAYERS}, got {cfg.prune_layers!r}"),
               (not cfg.resume or cfg.checkpoint, "--resume needs --checkpoint"),
               (cfg.backend != "horovod" or cfg.method in BACKEND_METHODS["horovod"],
                f"--backend horovod supports --method {'|'.join(BACKEND_METHODS['horovod'])}; "
@@ -303,7 +332,28 @@ def _config(config):
                          "CNNs and MLP")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every must be >= 0 steps, got {cfg.eval_every}")
+    if cfg.prune_steps and cfg.gradual:
+        raise ValueError("--prune-steps (the cubic schedule) and --gradual (milestones) are two "
+                         "schedules: give one")
+    if cfg.prune_steps < 0 or cfg.rewarm_steps < 0:
+        raise ValueError(f"--prune-steps and --rewarm-steps are step counts >= 0, got "
+                         f"{cfg.prune_steps} and {cfg.rewarm_steps}")
+    if cfg.rewarm_steps and cfg.sharded:
+        raise ValueError("--rewarm-steps sets the optimizer's learning rate, which --sharded "
+                         "keeps inside its shards: use one of them")
+    if not 0.0 <= cfg.distill < 1.0:
+        raise ValueError(f"--distill is a share of the loss in [0, 1), got {cfg.distill}")
+    if cfg.prune_steps:
+        _milestones(cfg)  # names a bad --ratio, --initial-ratio or --prune-every now
     return cfg
+
+
+def _milestones(cfg):
+    """The pruning schedule's ``[(step, ratio)]``, or None to prune once before fine-tuning."""
+    if cfg.prune_steps:
+        return cubic_milestones(cfg.ratio, cfg.prune_steps, cfg.prune_every,
+                                initial=cfg.initial_ratio)
+    return parse_gradual(cfg.gradual) if cfg.gradual else None
 
 
 def parse_watchdog(text):
@@ -817,6 +867,32 @@ def _prune(model, ratio: float, prune_args: dict):
     return OrderedDict((name, masks[name]) for name in order)
 
 
+def _teacher(model):
+    """A frozen copy of the dense model, in eval mode (no dropout: a fixed target)."""
+    teacher = copy.deepcopy(model).eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def _distillation(teacher, x, logits):
+    """KL divergence of the student's output distribution from the teacher's, per sample (for
+    the dual encoder: each query's distribution over the batch's codes)."""
+    with torch.no_grad():
+        target = F.log_softmax(teacher(x).float(), dim=-1)
+    return F.kl_div(F.log_softmax(logits.float(), dim=-1), target, reduction="batchmean",
+                    log_target=True)
+
+
+def _rewarm(optimizer, cfg, milestones, step):
+    """The learning rate ``step - m + 1`` steps after the latest move of the mask at step ``m``:
+    a linear ramp back up to ``--lr`` over ``--rewarm-steps``. A function of the step alone, so
+    a resumed run ramps as the uninterrupted one did."""
+    moved = [s for s, _ in milestones if s <= step]
+    factor = min(1.0, (step - moved[-1] + 1) / cfg.rewarm_steps) if moved else 1.0
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * factor
+
+
 def run(config, collectives=None) -> dict:
     """Fine-tune as configured (a :class:`TrainConfig`, dict or argparse namespace) on every rank
     of ``collectives`` (default :func:`collectives_for` the configured backend: ``COMM_WORLD``
@@ -857,6 +933,11 @@ def fine_tune(config, collectives=None):
     model.train()
     if arrives_pretrained:
         pretrained_accuracy = _evaluate(cfg, model, data, collectives)["test_accuracy"]
+    if cfg.freeze_embeddings:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                module.weight.requires_grad_(False)
+    teacher = _teacher(model) if cfg.distill else None
 
     x_train, y_train = shard((data.x_train, data.y_train), rank, size)
     # One local batch for GraSP's gradient statistics (rank 0's decides; magnitude ignores it).
@@ -865,7 +946,9 @@ def fine_tune(config, collectives=None):
     loss_fn = _loss_fn(cfg)
     prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives,
                   "loss_fn": loss_fn}
-    milestones = parse_gradual(cfg.gradual) if cfg.gradual else None
+    if cfg.prune_layers == "linear":
+        prune_args["include"] = linear_weights(model)
+    milestones = _milestones(cfg)
     masks = _prune(model, 0.0 if milestones else cfg.ratio, prune_args)
     enforcer = MaskEnforcer(model, masks)
 
@@ -911,7 +994,8 @@ def fine_tune(config, collectives=None):
     schedule = None
     if milestones and any(s >= step for s, _ in milestones):
         schedule = GradualPruningSchedule([m for m in milestones if m[0] >= step],
-                                          method=cfg.prune_method)
+                                          method=cfg.prune_method,
+                                          include=prune_args.get("include"))
         schedule.masks = dict(sync.masks)
 
     def trained_seconds():
@@ -956,9 +1040,15 @@ def fine_tune(config, collectives=None):
                 if new is not None:
                     enforcer.update(new)
                     sync.set_masks(new)
+            if cfg.rewarm_steps and milestones:
+                _rewarm(optimizer, cfg, milestones, step)
             t0 = time.perf_counter()
             optimizer.zero_grad()
-            loss = loss_fn(forward(xb), yb)
+            logits = forward(xb)
+            loss = loss_fn(logits, yb)
+            if teacher is not None:
+                loss = (1.0 - cfg.distill) * loss + cfg.distill * _distillation(teacher, xb,
+                                                                                  logits)
             loss.backward()
             if cfg.backend == "ddp" and not (cfg.sharded and cfg.method == "pactrain"):
                 enforcer.apply_to_grads()  # GSE for DDP's own methods (PacTrain's hook did it)

@@ -1,5 +1,7 @@
 """The gradual-pruning recipe: the cubic schedule, the default selection on transformers built
 from a config, and its multi-rank invariants (tests/mpi_scripts/recipe_scenarios.py)."""
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -111,6 +113,35 @@ def test_prune_with_the_selection_matches_the_schedule_at_one_shot():
     one_shot = prune(a, 0.5, include=linear_weights(a))
     scheduled = gradual_schedule(b, final=0.5, steps=1, every=1, initial=0.5).step(b, 0)
     assert all(torch.equal(one_shot[n], scheduled[n]) for n in one_shot)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"prune_steps": 10, "gradual": "5:0.5"}, "two schedules"),
+    ({"prune_steps": 10, "ratio": 0.2, "initial_ratio": 0.5}, "below the initial ratio 0.5"),
+    ({"prune_steps": 10, "prune_every": 0}, "every must be an int >= 1, got 0"),
+    ({"prune_steps": -1}, "got -1"),
+    ({"rewarm_steps": 5, "sharded": True}, "--rewarm-steps"),
+    ({"distill": 1.0}, "got 1.0"),
+    ({"prune_layers": "some"}, "'some'"),
+])
+def test_the_training_job_names_a_bad_recipe(config, named):
+    from pacmpi.experiments.train import _config
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        _config(config)
+
+
+def test_the_learning_rate_rewarms_after_each_move_of_the_mask():
+    from pacmpi.experiments.train import TrainConfig, _milestones, _rewarm
+
+    cfg = TrainConfig(lr=1.0, prune_steps=8, prune_every=4, rewarm_steps=2, ratio=0.5)
+    assert [s for s, _ in _milestones(cfg)] == [4, 8]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    rates = []
+    for step in range(11):
+        _rewarm(optimizer, cfg, _milestones(cfg), step)
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates == [1, 1, 1, 1, 0.5, 1, 1, 1, 0.5, 1, 1]
 
 
 @pytest.mark.mpi
