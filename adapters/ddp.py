@@ -46,11 +46,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
-from pacmpi.engine import BucketSpec, StepEngine, check_options
+from pacmpi.engine import COUNTERS, BucketSpec, StepEngine
 from pacmpi.faults import ensure_abort_on_error
+from pacmpi.options import EngineOptions
 from pacmpi.verify import raise_together, run_together
 
 __all__ = ["PacTrainHookState", "TorchDistCollectives", "pactrain_hook"]
+
+_KNOBS = ("quantize", "average", "seed", "verify_every", "on_mismatch", "stable_steps",
+          "error_feedback", "ternary_scale")
 
 
 def _on_stream(tensor):
@@ -59,6 +63,60 @@ def _on_stream(tensor):
         return contextlib.nullcontext()
     import cupy
     return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream)
+
+
+class DDPStep:
+    """A step as a DDP communication hook sees it, for :func:`pactrain_hook` and
+    :func:`pacmpi.adapters.sharded.sharded_hook`: DDP bucket 0 begins one (a step still open
+    then never finished: it is abandoned), a later bucket needs one open, and the step ends
+    once the last bucket was posted and every posted one finished. ``entries``: what the hook
+    records per bucket of the open step (``None`` between steps)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.entries, self._open, self._saw_last = None, set(), False
+
+    @property
+    def active(self):
+        return self.entries is not None
+
+    def enter(self, index, abandon):
+        """DDP bucket ``index`` arrives: ``abandon()`` the step bucket 0 finds still open;
+        RuntimeError for a later bucket outside a step."""
+        if index == 0 and self.active:  # the last step never finished
+            abandon()
+            self.reset()
+        if index != 0 and not self.active:
+            raise RuntimeError(f"DDP bucket {index} reduced outside a step (bucket 0 failed?)")
+
+    def begin(self):
+        """Bucket 0 began the step (its collectives passed)."""
+        self.entries = []
+
+    def posted(self, index, last):
+        """Bucket ``index`` (DDP's last when ``last``) is in flight."""
+        self._open.add(index)  # before the last flag: a finish must not end the step early
+        self._saw_last |= last
+
+    def finished(self, index):
+        """Bucket ``index`` is back; whether that ends the step (then :meth:`close`)."""
+        self._open.discard(index)
+        return self._saw_last and not self._open
+
+    def close(self):
+        """End the step; returns its entries."""
+        entries = self.entries
+        self.reset()
+        return entries
+
+    @staticmethod
+    def agree(engine, index, names, last, error=None):
+        """Agree across ranks on DDP bucket ``index``'s parameters (``names``) and on whether
+        it is the last (:meth:`pacmpi.engine.StepEngine.agree_layout`)."""
+        engine.agree_layout(f"DDP bucket {index}",
+                            list(names) + ["(last)" if last else "(not last)"], error)
 
 
 class PacTrainHookState:
@@ -74,31 +132,31 @@ class PacTrainHookState:
     ``masks``: parameter name (``torch.nn.utils.prune``'s logical names work too) -> bool or
     0/1 mask of its shape, re-read at every verification; ``quantize``: one of
     :data:`pacmpi.QUANTIZE_MODES` (``None``, ``"fp16"``, ``"ternary"``); ``average`` as DDP's
-    default hook; other options as :class:`pacmpi.PacTrainReducer`'s (the engine reduces each
+    default hook; ``options`` (an :class:`pacmpi.options.EngineOptions`) and the other knobs as
+    :class:`pacmpi.PacTrainReducer`'s (the engine reduces each
     parameter on its own, so ``ternary_scale`` ``"tensor"`` and ``"bucket"`` agree here; an
     int cuts each parameter into blocks of that many elements).
     Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (restore the masks first).
     Pickling drops the process group and the model: :meth:`bind` the new model.
     """
 
-    def __init__(self, model, masks, *, process_group=None, quantize=None, average=True,
-                 stable_steps=1, verify_every=1, on_mismatch="raise", error_feedback=False,
-                 seed=0, abort_on_error=None, ternary_scale="tensor"):
-        check_options(quantize=quantize, on_mismatch=on_mismatch, verify_every=verify_every,
-                      ternary_scale=ternary_scale)
+    def __init__(self, model, masks, *, process_group=None, options=None, abort_on_error=None,
+                 **knobs):
+        options = EngineOptions.build(options, knobs, who="PacTrainHookState", takes=_KNOBS)
+        self.options = options.replace(word_dtype="int64")  # torch sums no uint64 words
         self._model = _module(model)
         self.masks = masks  # as given: re-read at every verification, kept through pickling
-        self._options = dict(quantize=quantize, average=average, seed=seed,
-                             verify_every=verify_every, on_mismatch=on_mismatch,
-                             stable_steps=stable_steps, error_feedback=error_feedback,
-                             ternary_scale=ternary_scale)
         self._abort_on_error = abort_on_error
         self.process_group, self.engine, self._collectives = process_group, None, None
         self._specs = self._params = None  # _params is None: not bound (yet, or since pickling)
         self._lock = threading.Lock()
 
     step = property(lambda self: self.engine.step if self.engine else 0, doc="Completed steps.")
-    stats = property(lambda self: self.engine.stats)
+
+    @property
+    def stats(self):
+        """The engine's counters; all zero until the hook first ran (and bound the engine)."""
+        return self.engine.stats if self.engine else dict.fromkeys(COUNTERS, 0)
 
     @property
     def collectives(self):
@@ -120,7 +178,7 @@ class PacTrainHookState:
             self.engine = self.engine or StepEngine(
                 self.collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel()) for n, p in
                                    zip(self._names, self._params)], layout=self._specs,
-                word_dtype="int64", **self._options)
+                options=self.options)
             self.engine.collectives = self.collectives  # None after unpickling
             self._flat_masks()
         except (TypeError, ValueError) as exc:
@@ -143,10 +201,9 @@ class PacTrainHookState:
         self._names, self._params, self._specs = self._bound.names, self._bound.params, specs
         self._slot = {id(p): i for i, p in enumerate(self._params)}
         # _layout: [(buffer's place, weak reference to its storage, slots, their size)] per
-        # DDP bucket of the last complete step, or None; _current: the same for the step in
-        # progress (None between steps).
-        self._layout = self._current = None
-        self._trusted, self._open, self._saw_last = False, set(), False
+        # DDP bucket of the last complete step, or None; the step in progress's are
+        # _steps.entries.
+        self._layout, self._steps, self._trusted = None, DDPStep(), False
 
     def _flat_masks(self):
         """Each parameter's bool mask, flat in the parameter's memory order (DDP's order)."""
@@ -173,9 +230,18 @@ class PacTrainHookState:
                 offset += param.numel()
         except ValueError as exc:
             error = exc
-        self.engine.agree_layout(f"DDP bucket {index}", [self._names[s] for s in slots]
-                                 + ["(last)" if last else "(not last)"], error)
+        DDPStep.agree(self.engine, index, [self._names[s] for s in slots], last, error)
         return tuple(slots)
+
+    def _regroup(self, slots):
+        """DDP's rebuilt buckets hold the parameters in the reverse of its first buckets'
+        order: a new bucket holding a run of an old one's parameters backwards has the engine
+        reverse that one's residuals in place, so it takes a slice of them, not a copy (the
+        hook peaked at 1.9x the gradient bytes while the old array lived on)."""
+        back, n = slots[::-1], len(slots)
+        for *_, old, _ in self._layout or ():
+            if n > 1 and any(old[i:i + n] == back for i in range(len(old) - n + 1)):
+                self.engine.reverse_residuals(old)
 
     def _hook(self, bucket):
         index, last, buffer = bucket.index(), bucket.is_last(), bucket.buffer()
@@ -185,11 +251,7 @@ class PacTrainHookState:
         # parameters (reading them costs a tensor object each).
         storage = buffer.untyped_storage()
         place = (storage.data_ptr(), buffer.storage_offset(), buffer.numel())
-        if index == 0 and self._current is not None:  # the last step never finished
-            self.engine.abandon_step()
-            self._current, self._open, self._saw_last = None, set(), False
-        if index != 0 and self._current is None:
-            raise RuntimeError(f"DDP bucket {index} reduced outside a step (bucket 0 failed?)")
+        self._steps.enter(index, self.engine.abandon_step)
         known = self._layout if index == 0 or self._trusted else None
         self._trusted = bool(known) and index < len(known) and known[index][0] == place and (
             not known[index][1].expired()) and (index == len(known) - 1) == last
@@ -198,21 +260,21 @@ class PacTrainHookState:
         else:
             slots = self._check_bucket(bucket, index, last)
             size = sum(self.engine.buckets[s].size for s in slots)
+            self._regroup(slots)
         # One payload: lossless, the survivors moved to the bucket's front (or all of it).
         flat = as_array(buffer)[:size]
         with _on_stream(buffer):
             if index == 0:  # ternary: bucket 0's scales ride in the verification all-reduce
                 self.engine.begin_step(self._flat_masks, None, self._write_masks,
                                        scale_flats=lambda: {slots: flat}, scale_units=(slots,))
-                self._current = []
-            self._current.append((place, StorageWeakRef(storage), slots, size))
+                self._steps.begin()
+            self._steps.entries.append((place, StorageWeakRef(storage), slots, size))
             self.engine.agree_scales({slots: flat})  # ternary: one MAX all-reduce, if any
             with self._lock:
                 wire, ctx = self.engine.encode(slots, flat, in_place=True)
         payloads, parts = [as_tensor(wire)], [(wire, ctx, flat)]
         generation = self.engine.generation
-        self._open.add(index)  # before _saw_last: a decode must not end the step early
-        self._saw_last |= last
+        self._steps.posted(index, last)
         futures = [dist.all_reduce(p, group=self.process_group, async_op=True).get_future()
                    for p in payloads if p.numel()]
 
@@ -225,11 +287,9 @@ class PacTrainHookState:
             with _on_stream(buffer), self._lock:
                 for wire, ctx, view in parts:
                     self.engine.decode(wire, ctx, view)
-                if generation == self.engine.generation:
-                    self._open.discard(index)
-                    if self._saw_last and not self._open:
-                        self.engine.end_step()
-                        self._layout, self._current, self._saw_last = self._current, None, False
+                if generation == self.engine.generation and self._steps.finished(index):
+                    self.engine.end_step()
+                    self._layout = self._steps.close()
             if buffer.is_cuda:  # the future DDP waits on carries no CUDA events either
                 torch.cuda.current_stream(buffer.device).synchronize()
             return buffer
@@ -244,7 +304,7 @@ class PacTrainHookState:
         (collective)."""
         if self._params is None:
             self.bind()
-        if self._current is not None:
+        if self._steps.active:
             raise RuntimeError("PacTrainHookState.state_dict() during a step")
         state = self.engine.state_dict()
         state["residuals"] = {self._names[b]: torch.from_numpy(r)
@@ -259,9 +319,9 @@ class PacTrainHookState:
             self.bind()
         apply = run_together(self.collectives, self._loader, state,
                              errors=(TypeError, ValueError, KeyError))
-        if self._current is not None:
+        if self._steps.active:
             self.engine.abandon_step()
-        self._current, self._open, self._saw_last = None, set(), False
+        self._steps.reset()
         apply()
 
     def _loader(self, state):
@@ -272,7 +332,7 @@ class PacTrainHookState:
             index[n]: r for n, r in state["residuals"].items()}), self._flat_masks())
 
     def __getstate__(self):
-        state = dict(self.__dict__, _layout=None, _current=None, _open=set(), _saw_last=False)
+        state = dict(self.__dict__, _layout=None, _steps=DDPStep())
         state.update(dict.fromkeys(("process_group", "_collectives", "_lock", "_params",
                                     "_slot", "_bound", "_model"), None))
         return state

@@ -49,8 +49,10 @@ from pacmpi.adapters.horovod_collectives import (
     world_size,
 )
 from pacmpi.adapters.masks import MaskBinding
-from pacmpi.engine import BucketSpec, StepEngine, check_options
+from pacmpi.engine import MEMORY_COMPONENTS, BucketSpec, StepEngine
 from pacmpi.faults import ensure_abort_on_error
+from pacmpi.options import EngineOptions, knob
+from pacmpi.payloads import InPlace
 from pacmpi.verify import raise_together, run_together
 
 __all__ = ["HorovodCollectives", "PacTrainCompressor"]
@@ -84,7 +86,7 @@ class PacTrainCompressor:
     average:
         Ternary only: divide the decoded sum by ``hvd.size()`` (in lossless mode Horovod's
         ``op`` decides).
-    stable_steps, verify_every, error_feedback, seed, abort_on_error, ternary_scale:
+    options, stable_steps, verify_every, error_feedback, seed, abort_on_error, ternary_scale:
         As in :class:`pacmpi.PacTrainReducer` (each gradient is reduced on its own here, so
         ``ternary_scale`` ``"tensor"`` and ``"bucket"`` give the same scales; an int cuts each
         gradient into blocks of that many elements).
@@ -96,31 +98,41 @@ class PacTrainCompressor:
     pickle it with its model.
     """
 
-    def __init__(self, model_or_named_parameters, masks, *, quantize=None, average=False,
-                 stable_steps=1, verify_every=1, error_feedback=False, seed=0,
-                 abort_on_error=None, ternary_scale="tensor"):
-        check_options(quantize=quantize, on_mismatch="raise", verify_every=verify_every,
-                      ternary_scale=ternary_scale)
+    def __init__(self, model_or_named_parameters, masks, *, options=None, abort_on_error=None,
+                 **knobs):
+        options = EngineOptions.build(
+            options, knobs, who="PacTrainCompressor", average=False,
+            takes=("quantize", "average", "stable_steps", "verify_every", "error_feedback",
+                   "seed", "ternary_scale"))
+        if options.on_mismatch != "raise":
+            raise ValueError(f"PacTrainCompressor takes on_mismatch='raise' only, got "
+                             f"{options.on_mismatch!r}: it writes no masks back")
+        quantize, average = options.quantize, options.average
         if average and quantize != "ternary":  # Horovod's op averages the other payloads
             raise ValueError(f"average=True is for quantize='ternary', not {quantize!r}: "
                              "pass op=hvd.Average to Horovod instead")
+        # Horovod sums no unsigned 64-bit words.
+        self.options = options.replace(word_dtype="int64")
         self._source, self._masks, self._bound = model_or_named_parameters, masks, None
-        self._options = dict(quantize=quantize, average=average, verify_every=verify_every,
-                             stable_steps=stable_steps, error_feedback=error_feedback, seed=seed,
-                             ternary_scale=ternary_scale)
         self._abort_on_error = abort_on_error
         self._engine = self._world = None  # bound: the engine, and the world size it was for
         self._pending, self._by_id = set(), {}
         _register_elastic_handler()
 
-    quantize = property(lambda self: self._options["quantize"])
-    average = property(lambda self: self._options["average"])
+    quantize, average = knob("quantize"), knob("average")
     step = property(lambda self: self._engine.step if self._engine else 0,
                     doc="Completed steps.")
     tracker = property(lambda self: self._engine.tracker if self._engine else None,
                        doc="The mask tracker (``None`` until bound).")
     outstanding = property(lambda self: len(self._pending),
                            doc="Gradients of the current step compressed, not decompressed.")
+
+    def memory_report(self):
+        """Bytes of the arrays the engine keeps between steps, by component
+        (:meth:`pacmpi.engine.StepEngine.memory_report`); all zero until bound."""
+        if self._engine is None:
+            return dict.fromkeys(MEMORY_COMPONENTS, 0)
+        return self._engine.memory_report()
 
     @property
     def stats(self):
@@ -167,7 +179,7 @@ class PacTrainCompressor:
                 self._names, self._params = self._bound.names, self._bound.params
             engine = StepEngine(collectives, [BucketSpec(n, numpy_dtype(p.dtype), p.numel())
                                               for n, p in zip(self._names, self._params)],
-                                layout=self._describe(), word_dtype="int64", **self._options)
+                                layout=self._describe(), options=self.options)
         except (TypeError, ValueError) as exc:
             self._bound = None
             error = exc
@@ -265,7 +277,7 @@ class PacTrainCompressor:
         if self.quantize == "ternary":
             payload = torch.cat([payload, torch.ones(1, dtype=payload.dtype,
                                                      device=tensor.device)])
-        elif ctx.kind != "dense":
+        elif not isinstance(ctx, InPlace):
             payload = payload.clone()  # the engine's buffer is reused next step
         payload = summable(payload)  # bfloat16 travels as float32
         self._engine.stats["bytes_sent"] += payload.nbytes - wire.nbytes
@@ -289,7 +301,7 @@ class PacTrainCompressor:
             param = self._params[ctx.bucket]
             if param.dtype == torch.bfloat16 and tensor.dtype == torch.float32:
                 tensor = tensor.to(param.dtype)  # staged by summable(): rounded once, here
-            out = tensor.reshape(-1) if ctx.kind == "dense" else torch.empty(
+            out = tensor.reshape(-1) if isinstance(ctx, InPlace) else torch.empty(
                 param.numel(), dtype=param.dtype, device=param.device)
             self._engine.decode(as_array(tensor).reshape(-1), ctx, as_array(out))
             return out.view(param.shape)

@@ -43,13 +43,17 @@ import torch
 import torch.distributed as dist
 
 from pacmpi.adapters.convert import as_array, as_tensor, numpy_dtype
+from pacmpi.adapters.ddp import DDPStep
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
 from pacmpi.adapters.torch_sync import model_masks
 from pacmpi.collectives import default_collectives
+from pacmpi.options import EngineOptions
 from pacmpi.sharded import ShardedReducer
 from pacmpi.verify import run_together
 
 __all__ = ["ShardedOptimizer", "sharded_hook"]
+
+_KNOBS = ("average", "verify_every", "quantize", "seed")
 
 
 class _Group:
@@ -87,7 +91,7 @@ class ShardedOptimizer:
     masks:
         ``{name: bool tensor}`` keep-masks (as for :class:`PacTrainSync`), changed only by
         :meth:`set_masks`; ``None``: dense (the shard is 1/N of every weight).
-    comm, collectives, average, verify_every, abort_on_error:
+    comm, collectives, options, average, verify_every, abort_on_error:
         As for :class:`pacmpi.sharded.ShardedReducer`; ``comm`` defaults to a duplicate of
         ``COMM_WORLD``.
     quantize, seed:
@@ -108,8 +112,10 @@ class ShardedOptimizer:
     """
 
     def __init__(self, model, optimizer_class, *, masks=None, comm=None, collectives=None,
-                 average=True, verify_every=1, abort_on_error=None, max_grad_norm=None,
-                 quantize=None, seed=0, **defaults):
+                 options=None, abort_on_error=None, max_grad_norm=None, **kwargs):
+        knobs = {k: kwargs.pop(k) for k in _KNOBS if k in kwargs}
+        options = EngineOptions.build(options, knobs, who="ShardedOptimizer", takes=_KNOBS)
+        defaults = kwargs  # the inner optimizer's
         self.model = model
         if collectives is None:
             collectives = default_collectives(comm)
@@ -118,12 +124,13 @@ class ShardedOptimizer:
             collectives, _checked_input, model, masks, max_grad_norm)
         self.max_grad_norm, self.grad_norm = max_grad_norm, None
         self.collectives = collectives
-        self._options = dict(collectives=collectives, average=average, verify_every=verify_every,
-                             abort_on_error=abort_on_error, quantize=quantize, seed=seed)
-        self.quantize = quantize
+        self._reducer_args = dict(collectives=collectives, abort_on_error=abort_on_error,
+                                  options=options)
+        self.quantize = options.quantize
         self._shard_survivors(mask_list)
         self.optimizer = optimizer_class(self.shards, **defaults)
-        self._blocks = None  # the DDP step in progress: [(group, part, block, payload, work)]
+        # The DDP step in progress: its entries are [(group, part, block, payload, work)].
+        self._steps = DDPStep()
         self._hooked = False  # the hook stepped since the last step()
 
     def _shard_survivors(self, mask_list):
@@ -132,7 +139,8 @@ class ShardedOptimizer:
         slots = {}
         for i, p in enumerate(self.params):
             slots.setdefault(p.dtype, []).append(i)
-        self.groups = [_Group(s, self.params, mask_list, self._options) for s in slots.values()]
+        self.groups = [_Group(s, self.params, mask_list, self._reducer_args)
+                       for s in slots.values()]
         self._slot = {id(self.params[s]): (g, k) for g, group in enumerate(self.groups)
                       for k, s in enumerate(group.slots)}
         self._parts = {}  # (DDP bucket index, its parameters' ids) -> (group, ShardPart)
@@ -263,9 +271,9 @@ class ShardedOptimizer:
                     slots.append(self._slot[id(param)])
             except (TypeError, ValueError) as exc:
                 error = exc
-            self.groups[0].reducer.engine.agree_layout(
-                f"DDP bucket {key[0]}", [self.names[self.groups[g].slots[k]] for g, k in slots]
-                + ["(last)" if bucket.is_last() else "(not last)"], error)
+            DDPStep.agree(self.groups[0].reducer.engine, key[0],
+                          [self.names[self.groups[g].slots[k]] for g, k in slots],
+                          bucket.is_last(), error)
             group = slots[0][0]  # DDP buckets hold one dtype
             self._parts[key] = group, self.groups[group].reducer.layout.part(
                 [k for _, k in slots])
@@ -273,16 +281,11 @@ class ShardedOptimizer:
 
     def _hook(self, bucket):
         index = bucket.index()
+        self._steps.enter(index, self._abandon)
         if index == 0:
-            if self._blocks is not None:  # the last step never finished
-                for group in self.groups:
-                    group.reducer.engine.abandon_step()
-            self._blocks = None
             for group in self.groups:
                 group.reducer.begin_step()
-            self._blocks = []
-        elif self._blocks is None:
-            raise RuntimeError(f"DDP bucket {index} reduced outside a step (bucket 0 failed?)")
+            self._steps.begin()
         group, part = self._part(bucket)
         grads = {self._slot[id(p)][1]: as_array(g)
                  for p, g in zip(bucket.parameters(), bucket.gradients())}
@@ -295,16 +298,20 @@ class ShardedOptimizer:
                                        group=self.collectives.group, async_op=True)
             self.groups[group].reducer.stats["bytes_sent"] += \
                 payload.numel() * payload.element_size()
-        self._blocks.append((group, part, block, payload, work))
+        self._steps.entries.append((group, part, block, payload, work))
         if bucket.is_last():
             self._finish_step()
         done = torch.futures.Future()
         done.set_result(buffer)  # p.grad keeps this rank's own gradient
         return done
 
+    def _abandon(self):
+        for group in self.groups:
+            group.reducer.engine.abandon_step()
+
     def _finish_step(self):
         """Wait for every bucket's block, step the shards, all-gather the weights."""
-        blocks, self._blocks = self._blocks, None
+        blocks = self._steps.close()
         grad_shards = [torch.empty_like(shard) for shard in self.shards]
         for g, group in enumerate(self.groups):
             if sum(b[1].size for b in blocks if b[0] == g) != group.reducer.layout.total:

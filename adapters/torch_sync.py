@@ -31,10 +31,14 @@ from pacmpi import DEFAULT_BUCKET_BYTES, Collectives, MPICollectives, PacTrainRe
 from pacmpi.adapters.convert import as_array, numpy_dtype
 from pacmpi.adapters.pruning import masks_digest
 from pacmpi.methods import ALLREDUCE_METHODS, lookup_method
+from pacmpi.options import EngineOptions
 
 __all__ = ["PacTrainSync", "barrier", "broadcast_buffers", "broadcast_object",
            "broadcast_optimizer_state", "broadcast_parameters", "transport"]
 
+# The method sets quantize; word_dtype is the reducer's choice.
+_KNOBS = ("average", "verify_every", "on_mismatch", "stable_steps", "error_feedback", "seed",
+          "ternary_scale")
 _STAT_KEYS = ("pack_seconds", "comm_seconds", "unpack_seconds", "verify_seconds", "bytes_sent",
               "dense_elements_equivalent", "packed_reductions", "dense_reductions",
               "dense_fallbacks", "resyncs")
@@ -149,11 +153,11 @@ def model_masks(model, masks):
     return params, names, mask_list, mask_names
 
 
-class _HookedSync:
+class HookedSync:
     """Parameter discovery, mask handling (GSE), gradient hooks, step timing and state shared by
     :class:`PacTrainSync` and the baselines of :mod:`pacmpi.experiments.baselines`. Subclasses
-    implement ``_grad_ready(i)`` (optional early launch), ``_reduce(arrays)`` and
-    ``_engine_state`` / ``_load_engine``."""
+    implement ``grad_ready(i)`` (optional early launch), ``reduce_grads(arrays)`` and
+    ``engine_state()`` / ``load_engine_state(state, same_world)``."""
 
     def __init__(self, model, masks, collectives, method):
         self.model = model
@@ -207,7 +211,7 @@ class _HookedSync:
             started = time.perf_counter()
             self._in_step = True
             self._prepare(i)
-            self._grad_ready(i)
+            self.grad_ready(i)
             self._hook_seconds += time.perf_counter() - started
 
         return hook
@@ -222,7 +226,7 @@ class _HookedSync:
         self._arrays[i] = as_array(param.grad)
         self._seen[i] = True
 
-    def _grad_ready(self, i):
+    def grad_ready(self, i):
         """Called once gradient ``i`` is masked and viewed; subclasses may launch work."""
 
     # ------------------------------------------------------------------ step
@@ -236,7 +240,7 @@ class _HookedSync:
         for i, seen in enumerate(self._seen):
             if not seen:
                 self._prepare(i)
-        self._reduce(self._arrays)
+        self.reduce_grads(self._arrays)
         finished = time.perf_counter()
         # Deltas since the previous step, so work launched from the hooks is counted too.
         step = {key: self.stats[key] - self._stats_mark.get(key, 0) for key in _STAT_KEYS}
@@ -271,7 +275,7 @@ class _HookedSync:
         masks = {key: mask.detach().cpu().clone() for key, mask in self.masks.items()}
         return {"method": self.method, "world_size": self.collectives.size, "masks": masks,
                 "fingerprint": masks_digest(masks) if masks else None,
-                "engine": self._engine_state()}
+                "engine": self.engine_state()}
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output (collective). Masks are written in place and checked
@@ -289,7 +293,8 @@ class _HookedSync:
             warnings.warn(f"resuming {self.method} at world size {self.collectives.size} from a "
                           f"checkpoint taken at {state['world_size']}: error-feedback residuals "
                           "are per-rank and restart from zero", RuntimeWarning, stacklevel=2)
-        self._load_engine(state["engine"], same_world=state["world_size"] == self.collectives.size)
+        self.load_engine_state(state["engine"],
+                               same_world=state["world_size"] == self.collectives.size)
         self._stats_mark = dict(self.stats)
 
     @staticmethod
@@ -298,7 +303,7 @@ class _HookedSync:
 
 
 # ---------------------------------------------------------------------------------- PacTrain
-class PacTrainSync(_HookedSync):
+class PacTrainSync(HookedSync):
     """Hook-driven PacTrain all-reduce of a model's gradients.
 
     Parameters
@@ -316,10 +321,10 @@ class PacTrainSync(_HookedSync):
         ``"pactrain"`` (only surviving coordinates are sent), ``"pactrain-ternary"`` (those,
         ternary-quantized), ``"dense"`` (plain all-reduce of whole
         gradients) or ``"fp16"`` (whole gradients as float16); see :mod:`pacmpi.methods`.
-    bucket_bytes, verify_every, on_mismatch, stable_steps, seed, average, error_feedback,
-    ternary_scale:
+    bucket_bytes, options, verify_every, on_mismatch, stable_steps, seed, average,
+    error_feedback, ternary_scale:
         Passed to :class:`pacmpi.PacTrainReducer` (``error_feedback`` and ``ternary_scale``
-        only matter for ``"pactrain-ternary"``).
+        only matter for ``"pactrain-ternary"``; ``method`` sets ``quantize``).
     collectives:
         Another :class:`pacmpi.Collectives` transport instead of ``comm``.
     abort_on_error:
@@ -328,23 +333,21 @@ class PacTrainSync(_HookedSync):
     """
 
     def __init__(self, model, *, comm=None, masks=None, method="pactrain",
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
-                 stable_steps=1, seed=0, average=True, error_feedback=False, collectives=None,
-                 abort_on_error=None, ternary_scale="tensor"):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, collectives=None, abort_on_error=None,
+                 options=None, **knobs):
         try:
             spec = lookup_method(method, ALLREDUCE_METHODS)
         except ValueError as exc:
             raise ValueError(f"{exc} (the all-gather baselines are TopKSync, TernGradSync and "
                              "DGCSync in pacmpi.experiments.baselines)") from None
+        options = EngineOptions.build(options, knobs, who="PacTrainSync", takes=_KNOBS)
         super().__init__(model, masks, None, spec.name)
         reducer_masks = [as_array(m) if (spec.packed and m is not None) else None
                          for m in self._masks]
         self.reducer = PacTrainReducer(
-            reducer_masks, comm=comm, collectives=collectives, quantize=spec.quantize,
-            average=average, bucket_bytes=bucket_bytes, verify_every=verify_every,
-            on_mismatch=on_mismatch, stable_steps=stable_steps, seed=seed,
-            error_feedback=error_feedback, abort_on_error=abort_on_error,
-            ternary_scale=ternary_scale, shapes=[tuple(p.shape) for p in self.params],
+            reducer_masks, comm=comm, collectives=collectives, bucket_bytes=bucket_bytes,
+            options=options.replace(quantize=spec.quantize), abort_on_error=abort_on_error,
+            shapes=[tuple(p.shape) for p in self.params],
             dtypes=[numpy_dtype(p.dtype) for p in self.params])
         self.collectives = self.reducer.collectives
         layout = self.reducer.layout
@@ -356,7 +359,7 @@ class PacTrainSync(_HookedSync):
         """The reducer's cumulative counters (see :class:`pacmpi.PacTrainReducer`)."""
         return self.reducer.stats
 
-    def _grad_ready(self, i):
+    def grad_ready(self, i):
         b = self._bucket_of[i]
         self._missing[b] -= 1
         if self._missing[b] == 0:
@@ -364,12 +367,12 @@ class PacTrainSync(_HookedSync):
         else:  # the buckets in flight move on while backward computes (MPI needs the calls)
             self.reducer.progress()
 
-    def _reduce(self, arrays):
+    def reduce_grads(self, arrays):
         self.reducer.wait(arrays)
         self._missing = [len(b.members) for b in self.reducer.layout.buckets]
 
-    def _engine_state(self):
+    def engine_state(self):
         return self.reducer.state_dict()
 
-    def _load_engine(self, state, same_world):
+    def load_engine_state(self, state, same_world):
         self.reducer.load_state_dict(state)

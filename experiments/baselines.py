@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pacmpi import MPICollectives
-from pacmpi.adapters.torch_sync import PacTrainSync, _HookedSync
+from pacmpi.adapters.torch_sync import HookedSync, PacTrainSync
 from pacmpi.costmodel import topk_count
 from pacmpi.faults import ensure_abort_on_error
 from pacmpi.methods import lookup_method
@@ -49,7 +49,7 @@ def sparsify(accumulated, sizes, ks):
     return indices, values
 
 
-class _GatherSync(_HookedSync):
+class _GatherSync(HookedSync):
     """What the all-gather baselines share: one flat gradient of the model per step, an
     ``Allgather`` of a fixed-size payload per rank, the decoded average written back into
     ``p.grad``, and the counters :class:`TopKSync` keeps."""
@@ -116,7 +116,7 @@ class TernGradSync(_GatherSync):
                                                         + self.collectives.rank)
         self._segments = torch.tensor(self.sizes)
 
-    def _reduce(self, arrays):
+    def reduce_grads(self, arrays):
         started = time.perf_counter()
         with torch.no_grad():
             grads = [p.grad.detach().reshape(-1).cpu() for p in self.params]
@@ -145,10 +145,10 @@ class TernGradSync(_GatherSync):
         # A constant layer has no spread: clipping it at 0 would erase it.
         return g.clamp(-bound, bound) if bound > 0 else g
 
-    def _engine_state(self):
+    def engine_state(self):
         return {"generator": self._generator.get_state(), "stats": dict(self.stats)}
 
-    def _load_engine(self, state, same_world):
+    def load_engine_state(self, state, same_world):
         if same_world:  # another world size re-keys every rank's stream from the seed
             self._generator.set_state(state["generator"])
         self.stats = dict(state["stats"])
@@ -177,7 +177,7 @@ class DGCSync(_GatherSync):
         self.ks = [topk_count(self.ratio, size) for size in self.sizes]
         self.velocity = self.residual = None
 
-    def _reduce(self, arrays):
+    def reduce_grads(self, arrays):
         started = time.perf_counter()
         with torch.no_grad():
             flat = torch.cat([p.grad.reshape(-1) for p in self.params])
@@ -199,13 +199,13 @@ class DGCSync(_GatherSync):
             self._write_back(total)
         self.stats["unpack_seconds"] += time.perf_counter() - started
 
-    def _engine_state(self):
+    def engine_state(self):
         residuals = {} if self.residual is None else {
             "velocity": self.velocity.detach().cpu().clone(),
             "residual": self.residual.detach().cpu().clone()}
         return {"residuals": residuals, "stats": dict(self.stats), "ks": self.ks}
 
-    def _load_engine(self, state, same_world):
+    def load_engine_state(self, state, same_world):
         if state["ks"] != self.ks:
             raise ValueError(f"checkpoint keeps {state['ks']} values per layer, this sync "
                              f"keeps {self.ks}")
@@ -226,7 +226,7 @@ def make_baseline(model, method, *, comm=None, masks=None, ratio=0.001, momentum
 
 
 # ---------------------------------------------------------------------------------- TopK
-class TopKSync(_HookedSync):
+class TopKSync(HookedSync):
     """TopK sparsification with error feedback: the compression baseline PacTrain is compared
     with. Each rank adds its residual to its (masked) gradient, keeps the ``ratio`` largest
     magnitudes of the whole model (at least one), remembers the rest as its new residual, and
@@ -263,7 +263,7 @@ class TopKSync(_HookedSync):
                       "resyncs": 0, "verify_seconds": 0.0, "pack_seconds": 0.0,
                       "comm_seconds": 0.0, "unpack_seconds": 0.0}
 
-    def _reduce(self, arrays):
+    def reduce_grads(self, arrays):
         started = time.perf_counter()
         grads = [p.grad for p in self.params]
         with torch.no_grad():
@@ -301,11 +301,11 @@ class TopKSync(_HookedSync):
         self.stats["packed_reductions"] += 1
         self.stats["steps"] += 1
 
-    def _engine_state(self):
+    def engine_state(self):
         residuals = {} if self._residual is None else {0: self._residual.detach().cpu().clone()}
         return {"residuals": residuals, "stats": dict(self.stats), "k": self.k}
 
-    def _load_engine(self, state, same_world):
+    def load_engine_state(self, state, same_world):
         if state["k"] != self.k:
             raise ValueError(f"checkpoint has k={state['k']}, this sync keeps k={self.k}")
         residual = state["residuals"].get(0) if same_world else None

@@ -349,7 +349,7 @@ def run_memory_horovod(layers=8, width=1024, densities=(1.0, 0.5, 0.2),
                 baseline = peaks
             elif report:
                 peaks["rss"] = None if peaks["rss"] is None else peaks["rss"] - baseline["rss"]
-                row = ratio_row(compression._engine.memory_report(), _grad_bytes(model),
+                row = ratio_row(compression.memory_report(), _grad_bytes(model),
                                 peaks, frontend="horovod", mode=mode, density=density)
                 keys = [k for k in COMPONENTS + ("kept", "peak", "rss") if row[k] is not None]
                 maxima = hvd.allreduce(torch.tensor([row[k] for k in keys],

@@ -11,8 +11,9 @@ data with each method; the bytes are the last step's. Columns, per rank (the lar
 ranks):
 
 - ``state``: the optimizer's per-coordinate state (Adam's two moments) in elements and bytes;
-- ``kept``: what pacmpi keeps besides (the sharded reducer's buffers, the replicated hook's
-  engine arrays), in bytes; ZeRO's own buffers are not counted ("-");
+- ``kept``: what pacmpi keeps besides, in bytes (the ``memory_report()`` of the sharded
+  reducer or of the replicated hook's engine: survivor indices, mask snapshots, buffers);
+  ZeRO's own buffers are not counted ("-");
 - payload bytes per step by collective (what each rank hands to it: the all-reduce's buffer,
   the reduce-scatter's input, the all-gather's output -- torch's, padded to the largest
   shard --, ZeRO's broadcasts of every partition);
@@ -37,11 +38,15 @@ from pacmpi.adapters.sharded import ShardedOptimizer, sharded_hook
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
 from pacmpi.bench import harness
 from pacmpi.experiments.models import build_model
+from pacmpi.methods import METHODS
 
 __all__ = ["run", "main"]
 
-METHODS = ("ddp+zero", "pactrain", "pactrain-sharded", "pactrain-ternary",
-           "pactrain-sharded-ternary")
+# The rows: a method of pacmpi.methods and how it runs -- "zero" (DDP with
+# ZeroRedundancyOptimizer: the dense method's baseline), "replicated" (the DDP hook) or
+# "sharded" (ShardedOptimizer).
+RUNS = (("dense", "zero"), ("pactrain", "replicated"), ("pactrain", "sharded"),
+        ("pactrain-ternary", "replicated"), ("pactrain-ternary", "sharded"))
 COLUMNS = [("method", "method", "<16"), ("state elems", "state_elements", ",d"),
            ("state bytes", "state_bytes", ",d"), ("kept bytes", "kept_bytes", ",d"),
            ("all-reduce", "allreduce_bytes", ",d"), ("reduce-scatter", "reduce_scatter_bytes",
@@ -61,8 +66,17 @@ def _state_elements(optimizer):
                if torch.is_tensor(v) and v.dim() > 0)
 
 
-def _train(method, model_name, density, steps, batch, lr=1e-3):
-    """One method's run: ``(model, row)``; the row counts this rank."""
+def label(method, how):
+    """A row's name: ``"ddp+zero"``, the method's name, or with "-sharded" after its
+    "pactrain" (``"pactrain-sharded-ternary"``)."""
+    if how == "zero":
+        return "ddp+zero"
+    return method.replace("pactrain", "pactrain-sharded", 1) if how == "sharded" else method
+
+
+def _train(method, how, model_name, density, steps, batch, lr=1e-3):
+    """One run of ``method`` (a name of :data:`pacmpi.methods.METHODS`) ``how`` (see
+    :data:`RUNS`): ``(model, row)``; the row counts this rank."""
     torch.manual_seed(0)  # the same weights and masks on every rank
     model = build_model(model_name)
     masks = _masks(model, density)
@@ -73,8 +87,7 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     row = dict.fromkeys(["allreduce_bytes", "reduce_scatter_bytes", "allgather_bytes",
                          "broadcast_bytes", "kept_bytes"], 0)
-    quantize = "ternary" if method.endswith("-ternary") else None
-    sharded = method.startswith("pactrain-sharded")
+    quantize, sharded = METHODS[method].quantize, how == "sharded"
     # Sharded ternary steps after backward (sharded_hook is lossless): no DDP.
     ddp, state = model if sharded and quantize else DDP(model), None
     if sharded:
@@ -82,7 +95,7 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
                                      collectives=TorchDistCollectives(), quantize=quantize)
         if not quantize:
             ddp.register_comm_hook(optimizer, sharded_hook)
-    elif method.startswith("pactrain"):
+    elif how == "replicated":
         state = PacTrainHookState(ddp, masks, quantize=quantize)
         ddp.register_comm_hook(state, pactrain_hook)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -96,18 +109,18 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
                                                                           generator=gen)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
-        sent.append(stats()["bytes_sent"] if method != "ddp+zero" else 0)
+        sent.append(stats()["bytes_sent"] if how != "zero" else 0)
     last = sent[-1] - sent[-2]  # a steady step (the replicated hook's first one is dense)
     if sharded:
         layout, reducer = optimizer.reducer.layout, optimizer.reducer
         itemsize = optimizer.shard.element_size()
         row["reduce_scatter_bytes"] = last
         row["allgather_bytes"] = max(layout.counts) * size * itemsize  # padded to the largest
-        row["kept_bytes"] = sum(b.nbytes for b in reducer._buffers.values())
+        row["kept_bytes"] = sum(reducer.memory_report().values())
         row["state_elements"] = _state_elements(optimizer.optimizer)
         row["wire_bytes"] = (size - 1) * (row["reduce_scatter_bytes"]
                                           + row["allgather_bytes"]) // size
-    elif method.startswith("pactrain"):
+    elif how == "replicated":
         row["allreduce_bytes"] = last
         row["kept_bytes"] = sum(state.engine.memory_report().values())
         row["state_elements"] = _state_elements(optimizer)
@@ -124,15 +137,16 @@ def _train(method, model_name, density, steps, batch, lr=1e-3):
 def run(model_name="cifar_cnn", density=0.1, steps=3, batch=8):
     """Rows (the largest of each column over ranks) of every method, on this process group."""
     rows, weights = [], {}
-    for method in METHODS:
-        model, row = _train(method, model_name, density, steps, batch)
-        weights[method] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for method, how in RUNS:
+        model, row = _train(method, how, model_name, density, steps, batch)
+        name = label(method, how)
+        weights[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, row)
         rows.append(dict({k: None if row[k] is None else max(r[k] for r in everyone)
-                          for k in row}, method=method))
-    for row in rows:
-        replicated = "pactrain-ternary" if row["method"].endswith("-ternary") else "pactrain"
+                          for k in row}, method=name))
+    for row, (method, _) in zip(rows, RUNS):
+        replicated = "pactrain-ternary" if METHODS[method].quantize else "pactrain"
         row["max_diff"] = float((weights[row["method"]] - weights[replicated]).abs().max())
     return rows
 

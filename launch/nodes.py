@@ -35,7 +35,7 @@ import ipaddress
 import re
 
 from .mpi import OPENMPI, build_mpirun_command, build_torchrun_command
-from .testbed import TOPOLOGIES, NamespaceBed, TestbedError, _run, format_rate, tbf_command
+from .testbed import TOPOLOGIES, NamespaceBed, TestbedError, format_rate, run_setup, tbf_command
 
 __all__ = ["NodeTestbed", "parse_daemon_failure", "describe_daemon_failure"]
 
@@ -303,20 +303,20 @@ exec "$@"
     def set_link(self, node, up):
         """Bring node ``node``'s link up or down at the switch (to test what a job does)."""
         state = "up" if up else "down"
-        _run(["ip", "netns", "exec", self.switch, "ip", "link", "set", f"p{node}", state],
-                f"could not set node {node}'s link {state}")
+        run_setup(["ip", "netns", "exec", self.switch, "ip", "link", "set", f"p{node}", state],
+                  f"could not set node {node}'s link {state}")
 
     def calibrate(self, nbytes=None, repeats=3, *, tolerance=0.15, seconds_per_call=0.5,
                   timeout=120):
         """Measure the links with a ring all-reduce on one rank per node (see
         :meth:`~.testbed.LinkTestbed.calibrate`); ``star``: each node's link must carry
         2(K-1)/K * S bytes per call at RATE, ``shared``: the one queue 2(K-1) * S."""
-        return self._calibrate(self.nodes, nbytes, repeats, tolerance=tolerance,
-                               seconds_per_call=seconds_per_call, timeout=timeout)
+        return self.calibrate_ranks(self.nodes, nbytes, repeats, tolerance=tolerance,
+                                    seconds_per_call=seconds_per_call, timeout=timeout)
 
 
 def _ip_lines(cmd, namespace):
-    return [line for line in _run(cmd, f"could not inspect {namespace}").splitlines()
+    return [line for line in run_setup(cmd, f"could not inspect {namespace}").splitlines()
             if line.strip()]
 
 

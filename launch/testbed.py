@@ -84,7 +84,7 @@ def link_model(n, nbytes, seconds, topology="shared"):
             "busbw_bps": algbw * ring_factor(n, "star")}
 
 
-def _run(cmd, what, timeout=30):
+def run_setup(cmd, what, timeout=30):
     """Run a set-up command; raise TestbedError naming ``what`` and tc/ip's own message."""
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -163,7 +163,7 @@ class NamespaceBed:
             atexit.register(self.cleanup)
             self._prepare()
             for cmd, what in self._setup_steps():
-                _run(cmd, what)
+                run_setup(cmd, what)
         except BaseException:
             self.cleanup()
             raise
@@ -198,7 +198,7 @@ class NamespaceBed:
     def mpirun_command(self, flavor, n, argv, **options):
         raise NotImplementedError
 
-    def _calibrate(self, n, nbytes, repeats, *, tolerance, seconds_per_call, timeout):
+    def calibrate_ranks(self, n, nbytes, repeats, *, tolerance, seconds_per_call, timeout):
         """Time a ring all-reduce on ``n`` ranks; see :meth:`LinkTestbed.calibrate`."""
         if not self.active:
             raise TestbedError("calibrate() needs an active test bed (use it inside `with`)")
@@ -296,8 +296,8 @@ class LinkTestbed(NamespaceBed):
         than ``tolerance`` (fraction) away from the nominal rate, and :class:`TestbedError`
         when the benchmark itself fails or exceeds ``timeout`` seconds.
         """
-        return self._calibrate(n, nbytes, repeats, tolerance=tolerance,
-                               seconds_per_call=seconds_per_call, timeout=timeout)
+        return self.calibrate_ranks(n, nbytes, repeats, tolerance=tolerance,
+                                    seconds_per_call=seconds_per_call, timeout=timeout)
 
 
 def probe_testbed():

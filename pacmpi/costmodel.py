@@ -87,7 +87,7 @@ def ring_seconds(nbytes, participants, rate_Bps, topology="star"):
     return nbytes * ring_factor(participants, topology) / rate_Bps
 
 
-def _check_int(name, value, low=1):
+def check_int(name, value, low=1):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -117,7 +117,7 @@ def tensors(*, model=None, nbytes=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
         from .bench.models import model_params
         params = model_params(model)[::-1]
         return [p.shape for p in params], sum(p.size for p in params if p.prunable)
-    values = _check_int("nbytes", nbytes, 4) // 4
+    values = check_int("nbytes", nbytes, 4) // 4
     # Many tensors, as a model has, rather than one array that would get a bucket alone.
     piece = bucket_bytes // 4
     return [(piece,)] * (values // piece) + ([(values % piece,)] if values % piece else []), values
@@ -172,8 +172,8 @@ def step_seconds(fit, *, ranks, link_bps, values, kept, buckets, method, nodes=N
                  codec=True):
     """Predicted seconds of one step, and its parts (a dict; see the module docstring);
     ``link_bps``: the nominal link rate in bits per second."""
-    ranks = _check_int("ranks", ranks)
-    nodes = ranks if nodes is None else _check_int("nodes", nodes)
+    ranks = check_int("ranks", ranks)
+    nodes = ranks if nodes is None else check_int("nodes", nodes)
     method = lookup_method(method, ALLREDUCE_METHODS)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
@@ -247,8 +247,8 @@ def peer_step_seconds(fit, *, method, ranks, link_bps, shapes, buckets, nodes=No
                       powersgd_rank=PEER_DEFAULTS["powersgd_rank"]):
     """Predicted seconds of one step of a peer (see the module docstring) and its parts, in
     :func:`step_seconds`' keys; ``codec_s`` and ``verify_s`` are ``None``: not modelled."""
-    ranks = _check_int("ranks", ranks)
-    nodes = ranks if nodes is None else _check_int("nodes", nodes)
+    ranks = check_int("ranks", ranks)
+    nodes = ranks if nodes is None else check_int("nodes", nodes)
     method = lookup_method(method, PEERS).name
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
@@ -257,7 +257,7 @@ def peer_step_seconds(fit, *, method, ranks, link_bps, shapes, buckets, nodes=No
     for name, value in (("topk_ratio", topk_ratio), ("dgc_ratio", dgc_ratio)):
         if not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    _check_int("powersgd_rank", powersgd_rank)
+    check_int("powersgd_rank", powersgd_rank)
     collective, calls, payload = _peer_traffic(method, shapes, buckets, topk_ratio=topk_ratio,
                                                dgc_ratio=dgc_ratio, powersgd_rank=powersgd_rank)
     rate = _rate(fit, link_bps, nodes, topology)
@@ -534,7 +534,7 @@ def calibrate_main(argv=None):
     ``pacmpi bench allreduce --link`` JSON files; prints the fit with its error on every point
     and held-out run, and writes it to ``--out`` (what ``pacmpi model predict`` reads)."""
     args = build_calibrate_parser().parse_args(argv)
-    _check_int("--host-cores", args.host_cores)
+    check_int("--host-cores", args.host_cores)
     fit = calibrate(_load(args.json), host_cores=args.host_cores,
                     intra_Bps=parse_rate(args.intra_rate) / 8)
     fit["fit_files"] = [os.path.basename(p) for p in args.json]

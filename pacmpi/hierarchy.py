@@ -17,16 +17,16 @@ import socket
 import time
 import warnings
 
-import numpy as np
-
 from . import kernels
 from .arrays import array_module
 from .collectives import Collectives, MPICollectives
-from .engine import Encoded, StepEngine
+from .engine import StepEngine
+from .packing import OwnGradient
+from .payloads import Gathered
 from .ternary import wire_bits_table
 from .verify import run_together
 
-__all__ = ["HierarchicalCollectives", "HierarchicalEngine", "node_communicator"]
+__all__ = ["HierarchicalCollectives", "HierarchicalEngine", "NodeSum", "node_communicator"]
 
 
 def _node_identity():
@@ -140,66 +140,64 @@ class HierarchicalCollectives(Collectives):
         return self.world.allgather_object(obj)
 
 
-class HierarchicalEngine(StepEngine):
-    """:class:`pacmpi.engine.StepEngine` over a :class:`HierarchicalCollectives`: lossless and
-    float16 payloads are summed by its two-level all-reduce as they are; a ternary payload is
-    the leader's quantized node sum (see the module's docstring)."""
+class NodeSum(OwnGradient):
+    """What a rank packs under :class:`HierarchicalEngine`: its node's sum. Lossless and
+    float16 payloads are summed by the two-level all-reduce as they are; a ternary payload is
+    the leader's quantized node sum, the others' all-zero words (see the module's
+    docstring). Its scales come from node sums, which exist only after the verification, so
+    none ride in it; its residual is the node sum's (the leader's; nonzero where this rank
+    prunes), laid out as the payload."""
 
-    _CACHES = StepEngine._CACHES + ("_node_sums",)  # bucket -> this step's node sum
-    _TERNARY_IN_PLACE = False  # the leader quantizes its node sum, not the bucket's front
-    _RESIDUAL_OF_SURVIVORS = False  # a node sum is not zero where this rank prunes
+    fuses_scales = compacts_in_place = residual_of_survivors = False
 
-    def _code_ranks(self, collectives):
+    def __init__(self):
+        self.sums = {}  # unit -> this step's node sum, from its scales to its encode
+
+    def __getstate__(self):
+        return {"sums": {}}
+
+    def ranks(self, collectives):
         return collectives.nodes
 
-    def _steady(self, units):
-        # Scales come from node sums, which exist only after the verification: none fused.
-        return {}
+    def keeps_residual(self, collectives):
+        return collectives.is_leader
 
-    def _local_scale(self, b, flat):
-        """Sum what bucket ``b`` sends over the node, in the compute dtype, into the leader's
-        buffer (kept for :meth:`_ternary_words`, complete on the leader only); returns the leader's
-        max |node sum + residual| per segment (0.0 on other ranks)."""
+    def scaled(self, engine, u, flat):
+        """Sum what ``u`` sends over the node, in the compute dtype, into the leader's buffer
+        (kept for the encode, complete on the leader only); the leader takes the scales of
+        it, the others none."""
         xp = array_module(flat)
-        indices = self.packed_indices(b)
-        self._apply_mask(b, flat)
-        compute = kernels.compute_dtype(flat.dtype)
-        total = kernels.gather(xp, flat, indices,
-                               self._buffer(xp, ("node", b), self._payload_count(b), compute))
+        group = engine.group(u)
+        total = kernels.gather(xp, flat, group.positions(), engine.pool.kept(
+            xp, ("node", u), group.count, kernels.compute_dtype(flat.dtype)))
         started = time.perf_counter()
-        self.collectives.node.reduce(total, "sum", root=0)
-        self.stats["comm_seconds"] += time.perf_counter() - started
-        self._node_sums[b] = total
-        table = self.segment_table(b)
-        if not self.collectives.is_leader:
-            return np.zeros(len(table))
-        return table.absmax(xp, total, self._residual_for(b, xp, compute), compact=True)
+        engine.collectives.node.reduce(total, "sum", root=0)
+        engine.stats["comm_seconds"] += time.perf_counter() - started
+        self.sums[u] = total
+        return (total if engine.collectives.is_leader else None), True
 
-    def _unquantized(self, b, xp, flat, indices, count):
-        # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds this
-        # rank's values already), so they propagate as on the dense path.
-        total = self._node_sums.pop(b)
-        if not self.collectives.is_leader:
-            total[...] = 0
-        return total, Encoded(b, "copy", indices, self.generation, count=count)
-
-    def _ternary_words(self, b, xp, flat, residual, scales, table, compact=False,
-                       in_place=False):
+    def quantized(self, engine, u, flat, compact):
         # The leader quantizes the node sum (laid out as the payload), not its own gradient;
         # the others send digit 0 everywhere, which adds nothing to the leaders' digit sums.
-        total = self._node_sums.pop(b)
-        if not self.collectives.is_leader:
-            words = self._scratch(xp, table.words, self.codec.word_dtype)
-            words[...] = 0
-            return words, None
-        return super()._ternary_words(b, xp, total, residual, scales, table, compact=True,
-                                      in_place=in_place)
+        total = self.sums.pop(u)
+        return (total if engine.collectives.is_leader else None), True
 
-    def _residual_for(self, b, xp, compute):
-        # The residual is the node sum's: the leader keeps it, the others none.
-        if not self.collectives.is_leader:
-            return None
-        return super()._residual_for(b, xp, compute)
+    def unquantized(self, engine, u, flat):
+        # NaN/Inf in some node's sum: send the node sums unquantized (the leader's holds this
+        # rank's values already), so they propagate as on the dense path.
+        total = self.sums.pop(u)
+        if not engine.collectives.is_leader:
+            total[...] = 0
+        group = engine.group(u)
+        return total, Gathered(u, engine.generation, group.count, group.positions())
+
+
+class HierarchicalEngine(StepEngine):
+    """:class:`pacmpi.engine.StepEngine` over a :class:`HierarchicalCollectives`, packing
+    each node's sum (:class:`NodeSum`)."""
+
+    def __init__(self, collectives, buckets, **kwargs):
+        super().__init__(collectives, buckets, packing=NodeSum(), **kwargs)
 
     def state_dict(self):
         """As :meth:`StepEngine.state_dict`, with the node layout the leaders' residuals

@@ -9,9 +9,10 @@ import numpy as np
 from .arrays import array_module, check_float_dtype, is_device_array, to_host
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout
 from .collectives import default_collectives
-from .engine import MISMATCH_POLICIES, QUANTIZE_MODES, BucketSpec, StepEngine
+from .engine import BucketSpec, StepEngine
 from .faults import ensure_abort_on_error
 from .hierarchy import HierarchicalCollectives, HierarchicalEngine
+from .options import MISMATCH_POLICIES, QUANTIZE_MODES, EngineOptions, knob
 from .verify import raise_together, run_together
 
 __all__ = ["PacTrainReducer", "QUANTIZE_MODES", "MISMATCH_POLICIES"]
@@ -23,11 +24,6 @@ def _module_of(array, what):
         return array_module(array)
     except TypeError as exc:
         raise TypeError(f"{what}: {exc}") from None
-
-
-def _engine_option(name):
-    return property(lambda self: getattr(self._engine, name),
-                    doc=f"The ``{name}`` option (kept by the engine).")
 
 
 class PacTrainReducer:
@@ -44,6 +40,9 @@ class PacTrainReducer:
         ``collectives`` is given.
     collectives:
         A :class:`pacmpi.Collectives` transport (e.g. Horovod's), instead of ``comm``.
+    options:
+        An :class:`pacmpi.options.EngineOptions` holding the knobs below (``quantize`` to
+        ``ternary_scale``); those given as keywords replace its values.
     quantize:
         ``None`` (lossless), ``"fp16"`` (values travel as float16) or ``"ternary"``
         (unbiased stochastic ternary codes packed into summable integer words).
@@ -102,11 +101,10 @@ class PacTrainReducer:
         namespace).
     """
 
-    def __init__(self, masks, *, comm=None, collectives=None, quantize=None, average=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, verify_every=1, on_mismatch="raise",
-                 stable_steps=1, error_feedback=False, seed=0, shapes=None, dtypes=None,
-                 cuda_aware="auto", word_dtype="auto", abort_on_error=None,
-                 hierarchical=False, node_comm=None, ternary_scale="tensor"):
+    def __init__(self, masks, *, comm=None, collectives=None, options=None,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, shapes=None, dtypes=None,
+                 cuda_aware="auto", abort_on_error=None, hierarchical=False, node_comm=None,
+                 **knobs):
         if collectives is not None and hierarchical:
             raise ValueError("pass hierarchical=True or collectives=, not both (a "
                              "HierarchicalCollectives as collectives= reduces hierarchically)")
@@ -121,14 +119,11 @@ class PacTrainReducer:
                              else StepEngine)
         ensure_abort_on_error(abort_on_error, size=collectives.size)
         self.bucket_bytes = bucket_bytes
-        self._options = dict(quantize=quantize, average=average, verify_every=verify_every,
-                             on_mismatch=on_mismatch, stable_steps=stable_steps,
-                             error_feedback=error_feedback, seed=seed, word_dtype=word_dtype,
-                             ternary_scale=ternary_scale)
         self._layout = None
         error = None
         try:
-            self._engine = self._engine_type(collectives, (), **self._options)
+            self.options = EngineOptions.build(options, knobs, who="PacTrainReducer")
+            self._engine = self._engine_type(collectives, (), options=self.options)
             self._masks = self._checked_masks(masks)
             if shapes is not None or dtypes is not None:
                 self._build_layout(shapes, dtypes)
@@ -136,7 +131,7 @@ class PacTrainReducer:
             error = exc
         raise_together(collectives, error)
         self._flat_buffers = {}
-        self._reset_step()
+        self.reset_step()
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -173,18 +168,14 @@ class PacTrainReducer:
         verify/pack/comm/unpack seconds."""
         return self._engine.stats
 
-    quantize = _engine_option("quantize")
-    average = _engine_option("average")
-    verify_every = _engine_option("verify_every")
-    on_mismatch = _engine_option("on_mismatch")
-    error_feedback = _engine_option("error_feedback")
-    seed = _engine_option("seed")
-    word_dtype = _engine_option("word_dtype")
-    ternary_scale = _engine_option("ternary_scale")
+    quantize, average, verify_every = knob("quantize"), knob("average"), knob("verify_every")
+    on_mismatch, error_feedback = knob("on_mismatch"), knob("error_feedback")
+    seed, ternary_scale, stable_steps = knob("seed"), knob("ternary_scale"), knob("stable_steps")
 
     @property
-    def stable_steps(self):
-        return self._engine.tracker.stable_steps
+    def word_dtype(self):
+        """The ternary word type in use (``"auto"`` resolved for the transport)."""
+        return self._engine.word_dtype
 
     def set_masks(self, masks):
         """Replace the mask arrays (same count and shapes); a collective call."""
@@ -193,7 +184,7 @@ class PacTrainReducer:
     def _masks_for_layout(self, masks):
         checked = self._checked_masks(masks)
         if self._layout is not None:
-            self._check_shapes(checked, "mask")
+            self.check_shapes(checked, "mask")
         return checked
 
     def _checked_masks(self, masks):
@@ -213,7 +204,9 @@ class PacTrainReducer:
                 raise TypeError(f"mask {i} is on another device than mask 0")
         return masks
 
-    def _check_shapes(self, arrays, what):
+    def check_shapes(self, arrays, what):
+        """ValueError unless ``arrays`` are one per gradient, of its shape (``None`` passes);
+        ``what`` names them in the message."""
         if len(arrays) != len(self._layout.shapes):
             raise ValueError(f"expected {len(self._layout.shapes)} {what}s, got {len(arrays)}")
         for i, (array, shape) in enumerate(zip(arrays, self._layout.shapes)):
@@ -234,17 +227,19 @@ class PacTrainReducer:
         specs = [BucketSpec(f"bucket {b.index}", b.dtype, b.size,
                             tuple(m.size for m in b.members)) for b in layout.buckets]
         self._engine = self._engine_type(self._engine.collectives, specs,
-                                         layout=layout.describe(), **self._options)
+                                         layout=layout.describe(), options=self.options)
         self._layout = layout
 
-    def _check_grads(self, grads):
+    def check_grads(self, grads):
+        """TypeError or ValueError unless ``grads`` fit this reducer (count, shapes, dtypes,
+        one device); the first list seen builds the bucket layout."""
         if self._layout is None:
             for i, g in enumerate(grads):
                 if g is None or not hasattr(g, "dtype"):
                     raise TypeError(f"gradient {i} is {type(g).__name__}, expected an array")
                 check_float_dtype(g.dtype, f"gradient {i}")
             self._build_layout([g.shape for g in grads], [g.dtype for g in grads])
-        self._check_shapes(grads, "gradient")
+        self.check_shapes(grads, "gradient")
         device = None
         for i, (g, dtype) in enumerate(zip(grads, self._layout.dtypes)):
             if g is None:
@@ -280,9 +275,9 @@ class PacTrainReducer:
         # With every bucket at hand, ternary scales are agreed inside the verification
         # all-reduce (steps that verify) or else in one all-reduce for all buckets.
         def flats():
-            return {b: self._flat(b, grads) for b in range(len(self._layout))}
+            return {b: self.bucket_flat(b, grads) for b in range(len(self._layout))}
 
-        self._begin_step(grads, flats)
+        self.begin_step(grads, flats)
         buckets = range(len(self._layout))
         if self.quantize == "ternary":
             self.engine.agree_scales(flats())
@@ -292,7 +287,7 @@ class PacTrainReducer:
     def mark_ready(self, bucket, grads):
         """Declare bucket ``bucket`` complete in ``grads``; buckets launch in index order."""
         if not self._in_step:
-            self._begin_step(None)
+            self.begin_step(None)
         self._ready.add(bucket)
         self._launch_ready(grads)
         self.progress()
@@ -309,35 +304,40 @@ class PacTrainReducer:
     def wait(self, grads):
         """Launch what is left, wait for every bucket and write results into ``grads``."""
         if not self._in_step:
-            self._begin_step(grads)
+            self.begin_step(grads)
         self._ready.update(range(len(self._layout)))
         self._launch_ready(grads)
         for b in list(self._pending):
             self._finish(b, grads)
         self.engine.end_step()
-        self._reset_step()
+        self.reset_step()
 
-    def _reset_step(self):
+    def reset_step(self):
+        """Forget the step in progress on this side (its bucket flats and pending payloads)."""
         self._in_step = False
         self._ready = set()
         self._next_launch = 0
         self._pending = {}
         self._step_flats = {}
 
-    def _begin_step(self, grads, scale_flats=None):
-        error = None
+    def begin_step(self, grads=None, scale_flats=None, error=None):
+        """Check ``grads`` (when given) and begin the step: verify the masks when due, on
+        every rank together (:meth:`pacmpi.engine.StepEngine.begin_step`; ``error``, a front
+        end's own bad input, raises on every rank too). For a front end that runs the
+        payloads itself (:class:`pacmpi.sharded.ShardedReducer`); :meth:`reset_step` ends
+        it on this side."""
         try:
             if grads is not None:
-                self._check_grads(list(grads))
+                self.check_grads(list(grads))
             elif self._layout is None:
                 raise ValueError("mark_ready() before the first step needs shapes= and dtypes=")
         except (TypeError, ValueError) as exc:
-            error = exc
+            error = error or exc
         self._in_step = True
-        self.engine.begin_step(self._flat_masks, error, self._write_masks, scale_flats)
+        self.engine.begin_step(self.bucket_masks, error, self._write_masks, scale_flats)
 
     # ------------------------------------------------------------------ masks per bucket
-    def _flat_masks(self):
+    def bucket_masks(self):
         """Each bucket's current flat boolean mask (a view when the bucket holds one bool
         mask), or ``None`` for a bucket without masks."""
         flats = []
@@ -366,9 +366,9 @@ class PacTrainReducer:
                     mask[...] = flat[m.offset:m.offset + m.size].reshape(m.shape)
 
     # ------------------------------------------------------------------ buckets
-    def _flat(self, b, grads):
+    def bucket_flat(self, b, grads):
         """Bucket ``b`` of ``grads`` as one flat array: a view, or the bucket's buffer (filled
-        once per step)."""
+        once per step, until :meth:`reset_step`)."""
         if b in self._step_flats:
             return self._step_flats[b]
         bucket = self._layout.buckets[b]
@@ -391,7 +391,7 @@ class PacTrainReducer:
             self._next_launch += 1
 
     def _launch(self, b, grads, blocking):
-        flat = self._flat(b, grads)
+        flat = self.bucket_flat(b, grads)
         # The bucket is the gradients' own storage or the reducer's buffer: packed lossless
         # payloads are its own front, so they need no buffer.
         wire, ctx = self.engine.encode(b, flat, in_place=True)
@@ -457,7 +457,7 @@ class PacTrainReducer:
         if [list(map(repr, d)) for d in state["layout"]] != [
                 list(map(repr, d)) for d in self._layout.describe()]:
             raise ValueError("checkpoint bucket layout differs from this reducer's")
-        return self.engine.loader(state, self._flat_masks())
+        return self.engine.loader(state, self.bucket_masks())
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -22,7 +22,38 @@ from .arrays import array_module, to_host
 from .bitmaps import Bitmap
 from .hashing import uniform_from
 
-__all__ = ["SegmentTable"]
+__all__ = ["SegmentTable", "scale_sizes"]
+
+
+def tensor_sizes(buckets, u, ternary_scale):
+    """What one scale spans at most, before ``ternary_scale``'s blocks cut it: the members of
+    group ``u`` (a tuple of indices into ``buckets``, :class:`pacmpi.engine.BucketSpec`), or
+    the tensors of bucket ``u`` (its whole, for "bucket")."""
+    if isinstance(u, tuple):
+        if any(buckets[s].segments for s in u):
+            raise ValueError("the buckets of a group hold one tensor each")
+        return [buckets[s].size for s in u]
+    spec = buckets[u]
+    return spec.segments if ternary_scale != "bucket" and spec.segments else (spec.size,)
+
+
+def block_count(n, ternary_scale):
+    """How many scales ``n`` elements get: ``ternary_scale`` elements a scale, or one."""
+    return 1 if isinstance(ternary_scale, str) or n <= ternary_scale else -(-n // ternary_scale)
+
+
+def scale_sizes(buckets, u, ternary_scale):
+    """The element counts of bucket or group ``u``'s segments, one scale each: each tensor
+    (:func:`tensor_sizes`) cut into ``ternary_scale`` elements a scale (the last block
+    shorter), or whole."""
+    sizes = []
+    for n in tensor_sizes(buckets, u, ternary_scale):
+        if block_count(n, ternary_scale) == 1:
+            sizes.append(n)
+        else:
+            sizes += [ternary_scale] * (n // ternary_scale) + [n % ternary_scale] * bool(
+                n % ternary_scale)
+    return sizes
 
 
 class SegmentTable:

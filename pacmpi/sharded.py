@@ -42,6 +42,8 @@ import numpy as np
 
 from .arrays import array_module
 from .collectives import block_bounds
+from .options import EngineOptions
+from .payloads import TernaryWords
 from .reducer import PacTrainReducer
 from .segments import SegmentTable
 from .verify import run_together
@@ -176,12 +178,13 @@ class ShardedReducer:
         Fixed for the reducer's life (a change raises at the next verification).
     shapes, dtypes:
         The arrays' shapes and their dtype (one for all: the survivors form one vector).
-    comm, collectives, average, verify_every, cuda_aware, abort_on_error:
+    comm, collectives, options, cuda_aware, abort_on_error:
         As for :class:`pacmpi.PacTrainReducer`. Any :class:`pacmpi.Collectives` works; those
         without a native reduce-scatter fall back to an all-reduce (:class:`Collectives`).
-    quantize, error_feedback, seed, word_dtype, ternary_scale:
-        As for :class:`pacmpi.PacTrainReducer`: ``None`` (lossless) or ``"ternary"`` (the
-        reduce-scatter carries ternary words; the all-gather full values).
+    average, verify_every, quantize, error_feedback, seed, word_dtype, ternary_scale:
+        As for :class:`pacmpi.PacTrainReducer`: ``quantize`` ``None`` (lossless) or
+        ``"ternary"`` (the reduce-scatter carries ternary words; the all-gather full values).
+        No dense fallback and no resync: ``stable_steps=0``, ``on_mismatch="raise"``.
 
     Example::
 
@@ -196,18 +199,17 @@ class ShardedReducer:
         reducer.step(grads, weights, sgd_momentum)  # weights: identical on every rank after
     """
 
-    def __init__(self, masks, *, shapes, dtypes, comm=None, collectives=None, average=True,
-                 verify_every=1, cuda_aware="auto", abort_on_error=None, quantize=None,
-                 error_feedback=False, seed=0, word_dtype="auto", ternary_scale="tensor"):
+    def __init__(self, masks, *, shapes, dtypes, comm=None, collectives=None, options=None,
+                 cuda_aware="auto", abort_on_error=None, **knobs):
+        options = EngineOptions.build(options, knobs, who="ShardedReducer", takes=(
+            "average", "verify_every", "quantize", "error_feedback", "seed", "word_dtype",
+            "ternary_scale"))
         self._reducer = PacTrainReducer(
-            masks, comm=comm, collectives=collectives, average=average,
-            verify_every=verify_every, stable_steps=0, bucket_bytes=_ONE_BUCKET, shapes=shapes,
-            dtypes=dtypes, cuda_aware=cuda_aware, abort_on_error=abort_on_error,
-            quantize=quantize, error_feedback=error_feedback, seed=seed, word_dtype=word_dtype,
-            ternary_scale=ternary_scale)
+            masks, comm=comm, collectives=collectives, bucket_bytes=_ONE_BUCKET,
+            shapes=shapes, dtypes=dtypes, cuda_aware=cuda_aware, abort_on_error=abort_on_error,
+            options=options.replace(stable_steps=0, on_mismatch="raise"))
         self.word_counts = None  # ternary: the words of each rank's shard
         self.layout = run_together(self.collectives, self._initial_layout)
-        self._buffers = {}
 
     @property
     def collectives(self):
@@ -231,7 +233,7 @@ class ShardedReducer:
             raise ValueError("sharded reduction needs at least one array")
         if self.engine.quantize == "fp16":
             raise ValueError("sharded reduction takes quantize=None or 'ternary', not 'fp16'")
-        flat = self._reducer._flat_masks()[0]
+        flat = self._reducer.bucket_masks()[0]
         indices = None
         if flat is not None and not bool(flat.all()):
             indices = array_module(flat).flatnonzero(flat)
@@ -246,14 +248,18 @@ class ShardedReducer:
         return ShardLayout(layout.buckets[0], indices, size, self.collectives.rank, counts)
 
     def _buffer(self, xp, key, size, dtype):
-        buf = self._buffers.get(key)
-        if buf is None or buf.size != size or array_module(buf) is not xp:
-            buf = self._buffers[key] = xp.empty(size, dtype=dtype)
-        return buf
+        """A buffer the engine's pool keeps for this reducer under ``key``."""
+        return self.engine.pool.kept(xp, ("sharded", key), size, dtype)
+
+    def memory_report(self):
+        """Bytes of the arrays kept between steps, by component: the engine's
+        (:meth:`pacmpi.engine.StepEngine.memory_report`, whose payloads include this
+        reducer's shard, weights and words buffers) and the reducer's ``fusion`` buffer."""
+        return self._reducer.memory_report()
 
     def _check_params(self, params, xp):
         dtype = self._reducer.layout.dtypes[0]
-        self._reducer._check_shapes(params, "parameter")
+        self._reducer.check_shapes(params, "parameter")
         for i, p in enumerate(params):
             if array_module(p) is not xp or np.dtype(p.dtype) != dtype:
                 raise TypeError(f"parameter {i} is a {type(p).__name__} of {p.dtype}, "
@@ -288,20 +294,20 @@ class ShardedReducer:
         error = None
         try:
             grads = list(grads)
-            reducer._check_grads(grads)
+            reducer.check_grads(grads)
             if params is not None:
                 self._check_params(list(params), array_module(grads[0]))
         except (TypeError, ValueError) as exc:
             error = exc
         try:
             # Ternary scales agreed inside the verification all-reduce when it runs.
-            self.begin_step(error, lambda: {0: reducer._flat(0, grads)})
-            flat = reducer._flat(0, grads)
+            self.begin_step(error, lambda: {0: reducer.bucket_flat(0, grads)})
+            flat = reducer.bucket_flat(0, grads)
             wire, ctx = self.engine.encode(0, flat)
             xp = array_module(flat)
             if out is None:
                 out = self._buffer(xp, "shard", self.layout.shard_size, flat.dtype)
-            if ctx.kind == "ternary":
+            if isinstance(ctx, TernaryWords):
                 words = self._buffer(xp, "words", self.word_counts[self.collectives.rank],
                                      wire.dtype)
                 self._reduce_scatter(wire, words, self.word_counts)
@@ -312,7 +318,7 @@ class ShardedReducer:
             self.engine.settle(ctx)
             self.engine.end_step()
         finally:
-            reducer._reset_step()
+            reducer.reset_step()
         return out
 
     def _reduce_scatter(self, wire, out, counts):
@@ -340,7 +346,7 @@ class ShardedReducer:
         they are still the layout's. Then reduce-scatter every part's payload with SUM,
         :meth:`ShardPart.place` each block into the shard, and :meth:`end_step`.
         ``scale_flats``: as for :meth:`pacmpi.engine.StepEngine.begin_step`."""
-        self.engine.begin_step(self._reducer._flat_masks, error, scale_flats=scale_flats)
+        self._reducer.begin_step(scale_flats=scale_flats, error=error)
         self._check_layout()
 
     def end_step(self, shard):

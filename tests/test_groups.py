@@ -18,6 +18,7 @@ from pacmpi import MPICollectives, kernels
 from pacmpi.adapters.masks import MaskBinding
 from pacmpi.arrays import supported_float_dtypes
 from pacmpi.engine import BucketSpec, JoinedMasks, StepEngine
+from pacmpi.payloads import Compacted, Gathered, TernaryWords
 from pacmpi.ternary import ternary_key
 
 DTYPES = [d.name for d in supported_float_dtypes()]
@@ -104,14 +105,14 @@ def test_a_groups_positions_are_built_once_per_mask_change():
             masks[2][:] = ~masks[2]
         engine.begin_step(lambda: masks)
         wire, ctx = engine.encode((0, 1, 2), grad.copy())
-        built.append(engine._groups[(0, 1, 2)])
+        built.append(engine.groups[(0, 1, 2)])
         assert wire.size == masks[0].sum() + 5 + masks[2].sum()
         engine.end_step()
     assert built[0] is built[1] and built[1] is not built[2] and built[2] is built[3]
     engine.begin_step(lambda: masks)
     engine.encode((0,), grad[:30].copy())
     engine.end_step()
-    assert list(engine._groups) == [(0,)]
+    assert list(engine.groups.keys()) == [(0,)]
 
 
 @settings(max_examples=40, deadline=None,
@@ -160,8 +161,8 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
     options = dict(quantize="ternary", error_feedback=error_feedback,
                    stable_steps=stable_steps, seed=7, ternary_scale=ternary_scale)
     grouped, alone = _engine(sizes, dtype, **options), _engine(sizes, dtype, **options)
-    grouped._TERNARY_POSITIONS_AT_MOST = np.inf if positions else 0.0
-    alone._RESIDUAL_OF_SURVIVORS = False  # sent dense, its residual covers every coordinate
+    grouped.ternary.POSITIONS_AT_MOST = np.inf if positions else 0.0
+    alone.packing.residual_of_survivors = False  # sent dense, its residual covers every coordinate
     everything = tuple(range(len(sizes)))
     for step in range(4):
         if step == 3 and masks[0] is not None:
@@ -178,6 +179,8 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         def span(group):
             return flat[at[group[0]]:at[group[-1]] + sizes[group[-1]]]
         first = groups[0]
+        if regroup == "reverse" and step == 2 and len(first) > 1:
+            grouped.reverse_residuals(everything)  # as the DDP hook says when DDP rebuilds
         grouped.begin_step(lambda: masks, scale_units=(first,),
                            scale_flats=lambda: {first: span(first)})
         alone.begin_step(lambda: masks)
@@ -200,9 +203,9 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
         if in_place:
             report = grouped.memory_report()
             if not positions:
-                assert all(g._positions is None for g in grouped._groups.values()), "positions"
+                assert all(g.arrays()[0] is None for g in grouped.groups), "positions"
             assert report["residuals"] == sum(  # one array per group, no spare
-                e.values.nbytes for e in grouped._residuals.values())
+                e.values.nbytes for e in grouped.residuals.entries().values())
         saved, wanted = grouped.state_dict()["residuals"], alone.state_dict()["residuals"]
         assert set(wanted) <= set(saved)  # a bucket that sent nothing alone kept no residual
         for b in saved:
@@ -213,9 +216,10 @@ def test_a_ternary_group_sends_what_its_buckets_would_one_by_one(
             np.testing.assert_array_equal(_bits(saved[b][kept]), _bits(want[kept]))
 
 
-def _rebuild_then_pack(engines, sizes, masks, extra, steps=6):
+def _rebuild_then_pack(engines, sizes, masks, extra, steps=6, reversing=()):
     """Steps as DDP's hook takes them: one group of every bucket, DDP's reversed rebuild into
-    two groups at step 2 (dense: no masks yet), ``masks`` from step 3 on (packed at once);
+    two groups at step 2 (dense: no masks yet; the engines named in ``reversing`` told so, as
+    the hook tells its engine), ``masks`` from step 3 on (packed at once);
     each step's peak allocation above its start per engine, as a ratio of the gradient bytes,
     into ``extra[step, name]``. Returns the rebuilt groups' bucket order."""
     total, everything = sum(sizes), tuple(range(len(sizes)))
@@ -229,6 +233,8 @@ def _rebuild_then_pack(engines, sizes, masks, extra, steps=6):
             flat = np.concatenate([grad[sum(sizes[:b]):sum(sizes[:b + 1])] for b in order])
             before = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
+            if step == 2 and name in reversing:
+                engine.reverse_residuals(everything)
             engine.begin_step(lambda: given)
             lo = 0
             for group in groups:
@@ -253,15 +259,16 @@ def test_ddps_reversed_rebuild_slices_the_residual_instead_of_copying_it():
     sizes = [1 << 18, 1000, 1 << 17, 7, 1 << 16]
     options = dict(quantize="ternary", error_feedback=True, seed=3)
     sliced, copied = _engine(sizes, "float32", **options), _engine(sizes, "float32", **options)
-    copied._reversed = lambda key, slots: False  # the old path: each new group copies
     extra = {}
     tracemalloc.start()
     try:
-        _rebuild_then_pack({True: sliced, False: copied}, sizes, None, extra, steps=3)
+        # The copying path: not told of the reversal, each new group copies.
+        _rebuild_then_pack({True: sliced, False: copied}, sizes, None, extra, steps=3,
+                           reversing={True})
     finally:
         tracemalloc.stop()
     assert extra[2, True] < 0.5 < extra[2, False], extra  # the copies: a second residual
-    residuals = [e.values for e in sliced._residuals.values()]
+    residuals = [e.values for e in sliced.residuals.entries().values()]
     assert len(residuals) == 2 and residuals[0].base is residuals[1].base is not None
     for b, residual in sliced.state_dict()["residuals"].items():
         np.testing.assert_array_equal(residual, copied.state_dict()["residuals"][b])
@@ -283,23 +290,23 @@ def test_groups_sharing_one_residual_are_cut_together_when_packing_starts():
     def engines():
         made = {name: _engine(sizes, "float32", **options)
                 for name in ("uncut", "copied", "shared")}  # (the first in a step pays more)
-        made["copied"]._reversed = lambda key, slots: False  # each new group its own array
-        made["uncut"]._shrink_shared = lambda: None
+        made["uncut"].residuals.shrink_shared = lambda: None
         return made
 
     extra = {}
     tracemalloc.start()
     try:
-        _rebuild_then_pack(engines(), sizes, masks, {})  # compiles every kernel first
-        measured = engines()
-        order = _rebuild_then_pack(measured, sizes, masks, extra)
+        # "copied" is not told of the reversal: each new group its own array.
+        _rebuild_then_pack(engines(), sizes, masks, {}, reversing={"uncut", "shared"})
+        measured = engines()  # (the first run compiled every kernel)
+        order = _rebuild_then_pack(measured, sizes, masks, extra, reversing={"uncut", "shared"})
     finally:
         tracemalloc.stop()
     survivors = sum(int(m.sum()) for m in masks)
-    shared = [e.values for e in measured["shared"]._residuals.values()]
+    shared = [e.values for e in measured["shared"].residuals.entries().values()]
     assert len(shared) == 2 and shared[0].base is shared[1].base is not None
     assert shared[0].base.size == survivors  # cut to the survivors
-    assert measured["uncut"]._residuals[order[:2]].values.base.size == sum(sizes)  # control
+    assert measured["uncut"].residuals[order[:2]].values.base.size == sum(sizes)  # control
     # (The old path copied each packed slice out beside the whole array: +0.43 here.)
     assert extra[3, "shared"] < extra[3, "copied"] + 0.15, extra
     for b, residual in measured["shared"].state_dict()["residuals"].items():
@@ -355,7 +362,7 @@ def test_a_nonfinite_value_sends_its_ternary_group_unquantized():
     flat = grad.copy()
     engine.agree_scales({(0, 1): flat})
     wire, ctx = engine.encode((0, 1), flat)
-    assert ctx.kind == "copy" and wire.dtype == np.float32
+    assert isinstance(ctx, Gathered) and wire.dtype == np.float32
     engine.decode(wire, ctx, flat)
     np.testing.assert_array_equal(flat, grad * np.array([1, 0, 1, 1, 0, 1] + [1] * 5))
     assert engine.stats["nonfinite_fallbacks"] == 1
@@ -366,17 +373,17 @@ def test_a_nonfinite_value_sends_a_compacted_ternary_group_as_lossless():
     engine = _engine([6, 5], np.float32, quantize="ternary", stable_steps=0,
                      error_feedback=True)
     mask = np.array([1, 0, 1, 1, 0, 1], bool)
-    for value, kind in ((1.0, "ternary"), (np.inf, "compact")):
+    for value, kind in ((1.0, TernaryWords), (np.inf, Compacted)):
         engine.begin_step(lambda: [mask, None])
         grad = np.arange(11, dtype=np.float32)
         grad[7] = value
         flat = grad.copy()
         engine.agree_scales({(0, 1): flat})
         wire, ctx = engine.encode((0, 1), flat, in_place=True)
-        assert ctx.kind == kind and (wire.base is flat) == (kind == "compact")
+        assert type(ctx) is kind and (wire.base is flat) == (kind is Compacted)
         engine.decode(wire, ctx, flat)
         engine.end_step()
-        if kind == "compact":
+        if kind is Compacted:
             np.testing.assert_array_equal(flat, grad * np.concatenate([mask, [1] * 5]))
     assert engine.stats["nonfinite_fallbacks"] == 1
 
@@ -483,13 +490,13 @@ def test_snapshots_of_joined_masks_are_views_of_their_bits_where_aligned():
     engine = _engine(sizes, np.float32, stable_steps=1)
 
     def shared(engine):
-        bits = engine._digests["observed"][3][1].bits
+        bits = engine.check._observed.joined.bitmap.bits
         return [b for b in masked if engine.tracker.buckets[b].mask.bits.base is bits]
 
     old = None
     for step in range(4):
         if step == 2:  # a mask changes in place: compared one by one, bits joined anew
-            old = weakref.ref(engine._digests["observed"][3][1].bits)
+            old = weakref.ref(engine.check._observed.joined.bitmap.bits)
             whole[70] = not whole[70]
         engine.begin_step(lambda: JoinedMasks(flats, whole, token=object()))
         reference.begin_step(lambda: [None if f is None else f.copy() for f in flats])

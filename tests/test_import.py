@@ -113,3 +113,77 @@ def test_upward_import_check_allows_the_core_itself(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text("from ..faults import run_main\nfrom . import allreduce\nimport numpy\n")
     assert upward_imports(tmp_path / "pacmpi") == []
+
+
+# Private names of other libraries that production code uses for want of a public way: name ->
+# why. Everything else called `_name` must be defined in the module that uses it.
+THIRD_PARTY_PRIVATE = {
+    "_sizeof": "mpi4py's MPI._sizeof: the size of an MPI handle type, for ctypes calls",
+    "_handleof": "mpi4py's MPI._handleof: a communicator's C handle, for ctypes calls",
+    "_exit": "os._exit: leave without the atexit teardown that lets gloo abort a done rank",
+    "_NormBase": "torch.nn.modules.batchnorm._NormBase: the one base of every norm layer",
+    "_buffers": "torch's Module._buffers: a buffer by name, without named_buffers' walk",
+    "_replace": "namedtuple's _replace: public, underscored so that no field clashes",
+}
+
+
+def _defined_names(tree):
+    """The names a module defines: functions, classes, variables, attributes it assigns,
+    parameters, and strings (``__slots__``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return names
+
+
+def _private(name):
+    return name.startswith("_") and not name.endswith("__")
+
+
+def foreign_private_names(root, allowed=THIRD_PARTY_PRIVATE):
+    """``[(file, line, name)]`` for every ``_private`` name a module under ``root`` imports
+    from another module, or reads as an attribute without defining it itself."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        own, where = _defined_names(tree), str(path.relative_to(root.parent))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                # A package's private module is its own modules' to import (`from . import
+                # _libmpi`).
+                package = path.parents[node.level - 1] if node.level else None
+                found += [(where, node.lineno, alias.name) for alias in node.names
+                          if _private(alias.name) and alias.name not in allowed
+                          and not (package and node.module is None
+                                   and (package / f"{alias.name}.py").exists())]
+            elif (isinstance(node, ast.Attribute) and _private(node.attr)
+                  and node.attr not in own and node.attr not in allowed):
+                found.append((where, node.lineno, node.attr))
+    return found
+
+
+@pytest.mark.parametrize("folder", sorted(ROOMS))
+def test_no_module_uses_another_modules_private_names(folder):
+    assert foreign_private_names(REPO / folder) == []
+
+
+def test_private_name_check_negative_control(tmp_path):
+    path = tmp_path / "pacmpi" / "x.py"
+    path.parent.mkdir()
+    (path.parent / "_mod.py").write_text("")
+    path.write_text("from .engine import _MAGIC\nfrom . import _mod\n"
+                    "def f(reducer, engine):\n"
+                    "    engine._mine = reducer._flat_masks()\n"
+                    "    return engine._mine, os._exit\n")
+    # _mine is this module's own, _mod its package's module; os._exit is on the allow-list.
+    assert foreign_private_names(tmp_path / "pacmpi") == [("pacmpi/x.py", 1, "_MAGIC"),
+                                                         ("pacmpi/x.py", 4, "_flat_masks")]

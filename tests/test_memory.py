@@ -144,7 +144,7 @@ def test_a_residual_is_cut_to_its_survivors_in_place():
             reducers[0].reduce([one])
             extra.append((tracemalloc.get_traced_memory()[1] - before) / grad.nbytes)
             if step == 1:  # the other one's residual is held by another name: copied instead
-                held = reducers[1].engine._residuals[0].values  # noqa: F841
+                held = reducers[1].engine.residuals[0].values  # noqa: F841
             reducers[1].reduce([other])
             np.testing.assert_array_equal(one, other)
     finally:

@@ -68,7 +68,7 @@ from ..cli_options import (
     command_parser,
 )
 from ..collectives import allreduce_algorithm, block_bounds, default_collectives
-from ..costmodel import PEER_DEFAULTS, _check_int, powersgd_values, ring_factor, topk_count
+from ..costmodel import PEER_DEFAULTS, check_int, powersgd_values, ring_factor, topk_count
 from ..hierarchy import HierarchicalCollectives
 from ..methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from ..reducer import PacTrainReducer
@@ -468,7 +468,7 @@ def _peer_knobs(topk_ratio, dgc_ratio, powersgd_rank):
         if not 0 < ratio <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
     return {"topk_ratio": topk_ratio, "dgc_ratio": dgc_ratio,
-            "powersgd_rank": _check_int("powersgd_rank", powersgd_rank)}
+            "powersgd_rank": check_int("powersgd_rank", powersgd_rank)}
 
 
 def run(sizes, densities, methods, *, iters=None, warmup=2, bucket_bytes=None, seed=0,

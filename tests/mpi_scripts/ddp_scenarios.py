@@ -314,6 +314,28 @@ def resumed(how, steps, at, dtype, **kw):
     return run
 
 
+def test_rebuild_slices_residuals():
+    """DDP rebuilds its first bucket (every parameter, in the model's order) into buckets that
+    hold the parameters in the reverse order; the hook tells its engine, which reverses the
+    error-feedback residual in place, so the rebuilt buckets' residuals are slices of that one
+    array, not copies beside it. The control, whose hook does not tell, copies."""
+    def residual_bases(regroup):
+        run = Run(quantize="ternary", error_feedback=True)
+        if not regroup:
+            run.state._regroup = lambda slots: None
+        for step in range(3):
+            run.step(step)
+        assert len(run.state._layout) > 1, run.state._layout
+        entries = run.state.engine.residuals.entries()
+        return {u: None if e.values.base is None else id(e.values.base)
+                for u, e in entries.items()}
+
+    told = residual_bases(True)
+    shared = [base for u, base in told.items() if isinstance(u, tuple)]
+    assert len(shared) > 1 and None not in shared and len(set(shared)) == 1, told
+    assert all(base is None for base in residual_bases(False).values())
+
+
 def test_checkpoint():
     """Resuming continues bit for bit (lossless and ternary), although the resumed DDP starts
     from its first-iteration buckets; a checkpoint that does not fit fails on every rank."""
