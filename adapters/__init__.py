@@ -9,6 +9,8 @@
   that start such a loop.
 - :mod:`.sharded`: ``ShardedOptimizer``, ZeRO-1 style: any optimizer over this rank's shard of
   the surviving weights, fed by PacTrain's packed reduce-scatter.
+- :mod:`.outer`: ``OuterSync``, outer steps (local SGD, DiLoCo): local optimizer steps, and
+  every ``period`` steps PacTrain's reduction of the pseudo-gradients and an outer optimizer.
 - :mod:`.pruning`: ``prune`` (magnitude, GraSP), ``GradualPruningSchedule``, ``MaskEnforcer``
   (gradient sparsity enforcement) and ``torch.nn.utils.prune`` interop.
 - :mod:`.recipe`: gradual pruning of a pretrained transformer: its linear layers' weights on a
@@ -20,5 +22,5 @@ Submodules are imported on demand so ``import pacmpi.adapters`` stays cheap and 
 only loaded by the code that uses it. The training job, benchmarks and baselines live in
 :mod:`pacmpi.experiments`.
 """
-__all__ = ["ddp", "lightning", "huggingface", "horovod", "torch_sync", "sharded", "pruning",
-           "recipe", "checkpoint", "convert"]
+__all__ = ["ddp", "lightning", "huggingface", "horovod", "torch_sync", "sharded", "outer",
+           "pruning", "recipe", "checkpoint", "convert"]
