@@ -24,7 +24,8 @@ from mpi_util import mpirun_argv, run_bounded
 README_MAX_LINES = 250
 # Every marked snippet and the test that runs it: a new marker without a test fails here.
 RUN_BY = {"raw-loop": "test_readme", "horovod": "test_readme", "ddp": "test_readme",
-          "sharded": "test_readme", "sharded-ddp": "test_readme",
+          "sharded": "test_readme", "sharded-ddp": "test_readme", "outer": "test_readme",
+          "outer-ddp": "test_readme",
           "lightning": "test_snippet_runs_as_a_python_script",
           "guide-script": "test_guide_script_runs_on_two_ranks",
           "quick-start": "test_quick_start_command_runs_as_written",

@@ -13,7 +13,7 @@ import pytest
 from doc_snippets import README, marked, snippet
 from mpi_util import run_bounded, run_mpi
 
-FRONT_ENDS = ["raw-loop", "horovod", "ddp", "sharded", "sharded-ddp"]
+FRONT_ENDS = ["raw-loop", "horovod", "ddp", "sharded", "sharded-ddp", "outer"]
 
 
 def test_readme_has_one_snippet_per_front_end():
@@ -22,7 +22,7 @@ def test_readme_has_one_snippet_per_front_end():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("front_end", ["raw-loop", "horovod", "sharded"])
+@pytest.mark.parametrize("front_end", ["raw-loop", "horovod", "sharded", "outer"])
 def test_readme_snippet_runs_on_two_ranks(front_end, tmp_path):
     if front_end == "horovod":
         pytest.importorskip("horovod.torch")
@@ -115,10 +115,42 @@ moments = optimizer.optimizer.state[optimizer.shard]["exp_avg"]
 assert moments.numel() == optimizer.shard.numel() <= -(-survivors // size), moments.numel()
 """
 
+# The user guide's DDP loop with outer steps (period 4): 8 steps on different data per rank end
+# on an outer step, so every rank holds the same weights, pruned ones exactly 0; DDP reduced
+# nothing (no comm hook ran, the outer steps sent the bytes).
+OUTER_DDP_CHECK = """
+import os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(rank)  # different weights: OuterSync starts every rank from rank 0's
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+masks = {name: torch.rand(p.shape, generator=torch.Generator().manual_seed(3)) < 0.5
+         for name, p in model.named_parameters() if p.dim() > 1}
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(8)]
+names = {"torch": torch, "model": model, "masks": masks, "optimizer": optimizer,
+         "batches": batches, "loss_fn": torch.nn.functional.cross_entropy}
+exec(Path(sys.argv[1]).read_text(), names)
+outer = names["outer"]
+assert outer.outer_steps == 2 and outer.stats["packed_reductions"] > 0, outer.stats
+weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+everyone = [torch.empty_like(weights) for _ in range(size)]
+dist.all_gather(everyone, weights)
+assert all(torch.equal(w, weights) for w in everyone), "ranks differ"
+for name, p in model.named_parameters():
+    if name in masks:
+        assert bool((p[~masks[name]] == 0).all()), (name, "pruned weights moved")
+"""
+
 # Both end alike: torch 2.13's gloo sometimes aborts a process at interpreter exit ("terminate
 # called without an active exception", destroy_process_group() or not), more often on a
 # loaded host: skip it.
-TORCHRUN_CHECKS = {"ddp": DDP_SNIPPET_CHECK, "sharded-ddp": SHARDED_DDP_CHECK}
+TORCHRUN_CHECKS = {"ddp": DDP_SNIPPET_CHECK, "sharded-ddp": SHARDED_DDP_CHECK,
+                   "outer-ddp": OUTER_DDP_CHECK}
 EPILOGUE = """
 print(f"OK readme rank {rank}", flush=True)
 dist.barrier()

@@ -1,6 +1,6 @@
 """Runs one of the README's front-end snippets verbatim on every rank, then checks what it did.
 
-Usage: readme_quickstart.py raw-loop|horovod|sharded SNIPPET_FILE (under mpirun). Every rank
+Usage: readme_quickstart.py raw-loop|horovod|sharded|outer SNIPPET_FILE (under mpirun). Every rank
 trains on data of its own, so only a working all-reduce keeps the weights identical. Prints
 "OK readme <front end> rank <r>" on every rank that passed.
 
@@ -12,6 +12,8 @@ trains on data of its own, so only a working all-reduce keeps the weights identi
 - sharded: the snippet gets ``model``, ``masks`` and ``torch`` and builds the optimizer; 3 steps
   with it leave the ranks' weights identical, the pruned weights as they were, and Adam's
   state on each rank as large as its shard, about 1/N of the survivors.
+- outer: the snippet gets ``model``, ``optimizer``, ``masks``, ``batches`` and ``loss_fn`` and
+  trains 16 steps, one period: then the ranks' weights are identical (packed), pruned ones 0.
 """
 import sys
 from pathlib import Path
@@ -88,8 +90,24 @@ elif front_end in ("horovod", "sharded"):
         moments = optimizer.optimizer.state[optimizer.shard]["exp_avg"]
         assert moments.numel() == optimizer.shard.numel() <= -(-survivors // size), (
             moments.numel(), survivors)
+elif front_end == "outer":
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    torch.manual_seed(0)  # the same weights, hence the same magnitude masks, on every rank
+    model = build_model("digits_cnn", width=8, hidden=32)
+    masks = prune(model, 0.8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    names = dict(model=model, optimizer=optimizer, masks=masks, loss_fn=loss_fn,
+                 batches=batches_of(rank, comm.size, 16))  # period 16: one outer step, at the end
+    exec(snippet, names)
+    outer = names["outer"]
+    everyone = comm.allgather(flat_weights(model))
+    assert outer.outer_steps == 1 and outer.stats["packed_reductions"] > 0, outer.stats
+    assert all(bool((p[~masks[n]] == 0).all()) for n, p in model.named_parameters() if n in masks)
 else:
-    raise SystemExit(f"unknown front end {front_end!r}: raw-loop, horovod or sharded")
+    raise SystemExit(f"unknown front end {front_end!r}: raw-loop, horovod, sharded or outer")
 
 assert all((w == everyone[0]).all() for w in everyone), "ranks diverged"
 print(f"OK readme {front_end} rank {rank}", flush=True)
