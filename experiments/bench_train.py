@@ -76,6 +76,7 @@ from pacmpi.cli_options import (
 )
 from pacmpi.experiments.data import cache_dir as lab_cache_dir
 from pacmpi.experiments.models import PRETRAINED_MODELS
+from pacmpi.experiments.train import TrainConfig, add_config_options, check_config
 from pacmpi.launch import CalibrationError, TestbedError, run_command
 from pacmpi.methods import METHODS, canonical_name
 
@@ -95,6 +96,11 @@ DDP_BASELINE = "ddp-dense"  # a third speedup column when it ran
 REFERENCES = ("dense", DDP_BASELINE)
 SENSITIVITY_FRACTIONS = (0.95, 0.97, 0.98, 0.99)
 TRAIN_MODULE = "pacmpi.experiments.train"
+# The pruning recipe's knobs (pacmpi train's, passed on): which layers, the schedule of the
+# -gradual rows, distillation of the pruned rows, frozen embeddings for every row.
+RECIPE = ("prune_layers", "prune_steps", "prune_every", "initial_ratio", "rewarm_steps",
+          "distill", "freeze_embeddings")
+SCHEDULE = ("prune_steps", "prune_every", "initial_ratio", "rewarm_steps")
 CALIBRATION_REFUSED = 3  # exit status, as pacmpi-run's
 
 # The full benchmark's workload; see NOTES for why.
@@ -189,7 +195,9 @@ class MethodSpec:
     (``"mpi"`` under mpirun, ``"ddp"`` under torchrun), ``powersgd_rank`` (``--method
     powersgd``), ``error_feedback`` (off: label suffix ``-noef``) and ``ternary_scale``
     (label suffix ``-blockN``: a ternary scale per N elements of a tensor) and ``sharded``
-    (label suffix ``-sharded``: the optimizer state sharded, ``pacmpi train --sharded``)."""
+    (label suffix ``-sharded``: the optimizer state sharded, ``pacmpi train --sharded``) and
+    ``gradual`` (label suffix ``-gradual``: pruned during fine-tuning by the recipe's cubic
+    schedule, ``--prune-steps``, instead of once before it)."""
 
     label: str
     method: str
@@ -200,6 +208,7 @@ class MethodSpec:
     error_feedback: bool = True
     ternary_scale: object = "tensor"
     sharded: bool = False
+    gradual: bool = False
 
 
 _LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
@@ -207,7 +216,8 @@ _LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
            "feedback), pactrain-ternary-R[-noef]-blockN (a scale per N values), ddp-dense, "
            "ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, ddp-pactrain-ternary-R, "
            "pactrain-R-sharded, ddp-pactrain-R-sharded and ddp-dense-sharded (the optimizer "
-           "state sharded; DDP's dense one by ZeroRedundancyOptimizer), or a preset: "
+           "state sharded; DDP's dense one by ZeroRedundancyOptimizer), any pactrain label "
+           "with R > 0 followed by -gradual (pruned by --prune-steps' schedule), or a preset: "
            + ", ".join(METHOD_PRESETS))
 
 
@@ -216,6 +226,13 @@ def parse_method(label, baseline_ratio=0.0):
     ``"ddp-powersgd-4"`` -> ``MethodSpec("ddp-powersgd-4", "powersgd", 0.0, backend="ddp",
     powersgd_rank=4)``; see the module doc. Old labels (``dense-fp32``) give today's."""
     label = canonical_name(label)
+    if isinstance(label, str) and label.endswith("-gradual"):
+        spec = parse_method(label[:-len("-gradual")], baseline_ratio)
+        if spec.label != label[:-len("-gradual")] or "pactrain" not in spec.method \
+                or spec.sharded or not spec.ratio > 0:
+            raise ValueError(f"unknown method label {label!r}: -gradual follows a pactrain "
+                             "label with a ratio above 0 (not -sharded)")
+        return dataclasses.replace(spec, label=label, gradual=True)
     if isinstance(label, str) and label.endswith("-sharded"):
         spec = parse_method(label[:-len("-sharded")], baseline_ratio)
         if spec.label != label[:-len("-sharded")] or not (
@@ -350,6 +367,9 @@ def summarize_run(result, spec, world):
         "dense_reductions": summary["dense_reductions"],
         "state_sha256": result["state_sha256"],
         "loss_curve": [s.get("loss") for s in result["steps"]],
+        "bytes_curve": [s.get("bytes_sent", 0) for s in result["steps"]],
+        "prune_curve": [s.get("prune_seconds", 0.0) for s in result["steps"]],
+        "gradual": spec.gradual,
         "bias": result.get("bias"),
         "mpi_algorithms": result.get("mpi_algorithms"),
     }
@@ -370,11 +390,47 @@ def compose_timing(block, curves, steps):
                                      "accuracy curve from (--timing-steps needs rate none first)"
             continue
         seconds = run["throughput"]["step_seconds_mean"]
-        run["curve"] = [{**point, "wall_seconds": point["step"] * seconds,
-                         "train_seconds": point["step"] * seconds} for point in source["curve"]]
+        if source.get("gradual"):
+            dense = block["runs"].get(reference_label(block["runs"]))
+            if dense is None:
+                del block["runs"][label]
+                block["failed"][label] = "a -gradual row's steps are placed between the dense " \
+                                         "reference's timed step and its own: run dense too"
+                continue
+            elapsed = _scheduled_elapsed(source, seconds, dense)
+        else:
+            elapsed = [step * seconds for step in range(len(source.get("bytes_curve", ())) + 1)]
+        run["curve"] = [{**point, "wall_seconds": _at(elapsed, point["step"], seconds),
+                         "train_seconds": _at(elapsed, point["step"], seconds)}
+                        for point in source["curve"]]
         for key in ("final_accuracy", "best_accuracy", "pretrained_accuracy"):
             run[key] = source[key]
-        run["composed"] = {"curve_from": "none", "timing_steps": steps, "step_seconds": seconds}
+        run["composed"] = {"curve_from": "none", "timing_steps": steps, "step_seconds": seconds,
+                           "gradual": bool(source.get("gradual"))}
+
+
+def _at(elapsed, step, seconds):
+    """Seconds to the end of ``step`` by ``elapsed`` (its steps' running sums), or at
+    ``seconds`` a step where the run recorded no per-step bytes (reports before they were)."""
+    return elapsed[step] if step < len(elapsed) else step * seconds
+
+
+def _scheduled_elapsed(source, packed_seconds, dense):
+    """Running sums of a ``-gradual`` run's step times at a shaped rate (index k: the first k
+    steps). The time of a synchronous step is its compute, the same for every mask, plus its
+    communication, linear in the bytes it sends; so each step is placed by its unshaped bytes
+    on the line through two timed steps at this rate: the final mask's packed step
+    (``packed_seconds``, at the run's last step's bytes) and the dense reference's step (at its
+    bytes, which the schedule's dense fallbacks send too). The schedule's own time (deciding a
+    mask on rank 0 and broadcasting it) is added as measured unshaped."""
+    packed_bytes = source["bytes_curve"][-1]
+    dense_bytes, dense_seconds = dense["bytes_per_step"], dense["throughput"]["step_seconds_mean"]
+    slope = ((dense_seconds - packed_seconds) / (dense_bytes - packed_bytes)
+             if dense_bytes != packed_bytes else 0.0)
+    elapsed = [0.0]
+    for sent, pruning in zip(source["bytes_curve"], source["prune_curve"]):
+        elapsed.append(elapsed[-1] + packed_seconds + (sent - packed_bytes) * slope + pruning)
+    return elapsed
 
 
 def reference_label(runs, references=REFERENCES):
@@ -502,9 +558,10 @@ def _current_labels(report):
 
 # What a run computes; the link (nodes, topology) and --timing-steps change only how long it takes.
 TRAINING = ("ranks", "epochs", "batch_size", "lr", "model", "width", "hidden", "pretrain_epochs",
-            "prune_method", "baseline_ratio", "dataset", "optimizer", "eval_every")
+            "prune_method", "baseline_ratio", "dataset", "optimizer", "eval_every", "recipe")
 # Reports written before a workload key existed ran its default.
-_BEFORE = {"dataset": "digits", "optimizer": "sgd", "eval_every": 0, "timing_steps": None}
+_BEFORE = {"dataset": "digits", "optimizer": "sgd", "eval_every": 0, "timing_steps": None,
+           "recipe": {}}
 
 
 def _workload_differs(a, b, keys=TRAINING + ("nodes", "topology", "timing_steps")):
@@ -580,12 +637,43 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
             argv.append("--sharded")
         if spec.ternary_scale != "tensor":
             argv += ["--ternary-scale", str(spec.ternary_scale)]
+        argv += _recipe_argv(cfg.get("recipe", {}), spec, timing=bool(cfg.get("max_steps")))
         if spec.backend == "ddp":
             argv += ["--backend", "ddp"]
             if spec.method == "powersgd":
                 argv += ["--powersgd-rank", str(spec.powersgd_rank)]
         else:
             argv += ["--topk-ratio", str(spec.topk_ratio)]
+    return argv
+
+
+def _recipe(knobs):
+    """``knobs`` without those at ``pacmpi train``'s defaults (so that a report of the default
+    workload says ``{}``, as reports made before the recipe existed), checked by its config."""
+    defaults = TrainConfig()
+    unknown = sorted(set(knobs or {}) - set(RECIPE))
+    if unknown:
+        raise ValueError(f"unknown recipe knobs {unknown}; the recipe's are {RECIPE}")
+    recipe = {k: v for k, v in (knobs or {}).items() if v != getattr(defaults, k)}
+    if recipe.get("prune_steps"):
+        check_config({**recipe, "ratio": 0.5})
+    return recipe
+
+
+def _recipe_argv(recipe, spec, timing):
+    """The recipe's flags for ``spec``'s job: the layer choice and frozen embeddings for every
+    job, distillation for the pruned ones, the schedule for ``-gradual`` rows. A timing run
+    (``timing``) of a ``-gradual`` row prunes once, to the final ratio: it times the final
+    mask's packed step, and :func:`compose_timing` places the schedule's steps by their
+    bytes."""
+    argv = []
+    for key, value in recipe.items():
+        if ((key in SCHEDULE and not (spec.gradual and not timing))
+                or (key == "distill" and not spec.ratio > 0)):
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False
+                 else [flag, str(value)])
     return argv
 
 
@@ -710,7 +798,7 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                   nodes=None, topology=None, baseline_ratio=0.0,
                   target_fraction=0.98, tolerance=0.15, timeout=1200, seed=0, seeds=None,
                   prune_method="magnitude", train_args=(), cache_dir=None, optimizer="sgd",
-                  eval_every=0, timing_steps=None, curves=None,
+                  eval_every=0, timing_steps=None, curves=None, recipe=None,
                   out_dir="results", json_path=None, plots=True, echo=True, notes=None):
     """Run the benchmark and return its JSON-able dict (also written to ``json_path``,
     default ``out_dir/bench_train.json``; plots go to ``out_dir``).
@@ -728,12 +816,14 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     and range over seeds; default ``(seed,)``); ``train_args``: extra flags for every training
     job (e.g. ``("--bias-probe",)``); ``optimizer``, ``eval_every``: the training job's
     ``--optimizer`` and ``--eval-every`` (steps between evaluations; 0: per epoch);
-    ``timing_steps``: run every shaped rate for this many steps only, to time its steps, and
-    take each method's accuracy curve from its unshaped run (``rates`` must start with
-    ``"none"``; see :func:`compose_timing`; the shaped rates are timed on the first seed and
-    every seed's curve composed with that timing); ``curves``: an earlier report (a dict) whose
-    unshaped runs of ``methods`` stand for rate ``none`` instead of running it
-    (:func:`curves_from`); ``baseline_ratio``: pruning of the dense/fp16/TopK
+    ``recipe``: the pruning recipe's knobs (:data:`RECIPE`, ``pacmpi train``'s names and
+    meanings; those at their default may be left out) for the jobs they apply to (see
+    :func:`_recipe_argv`); ``timing_steps``: run every shaped rate for this many steps only,
+    to time its steps, and take each method's accuracy curve from its unshaped run (``rates``
+    must start with ``"none"``; see :func:`compose_timing`; the shaped rates are timed on the
+    first seed and every seed's curve composed with that timing); ``curves``: an earlier
+    report (a dict) whose unshaped runs of ``methods`` stand for rate ``none`` instead of
+    running it (:func:`curves_from`); ``baseline_ratio``: pruning of the dense/fp16/TopK
     baselines; ``target_fraction``: TTA target as a fraction of the dense
     fp32 run's final accuracy at the same rate; ``tolerance``: calibration limit (fraction off
     nominal); ``timeout``: seconds per training job; ``cache_dir``: where the pretrained model is
@@ -752,11 +842,16 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
                          f"and rates starting with none, got {','.join(rates)}")
     topology = (topology or "star") if nodes else None
     seeds = tuple(seeds) if seeds else (seed,)
+    recipe = _recipe(recipe)
+    gradual = [spec.label for spec in specs if spec.gradual]
+    if gradual and not recipe.get("prune_steps"):
+        raise ValueError(f"{', '.join(gradual)} prune by the cubic schedule: give its length, "
+                         "--prune-steps N")
     cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
            "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs,
            "dataset": dataset, "nodes": nodes, "topology": topology,
            "prune_method": prune_method, "train_args": list(train_args), "optimizer": optimizer,
-           "eval_every": eval_every, "timing_steps": timing_steps}
+           "eval_every": eval_every, "timing_steps": timing_steps, "recipe": recipe}
     if notes is None:
         default = all(cfg[k] == FULL[k] for k in ("model", "width", "hidden", "dataset"))
         notes = list(NOTES if default else TEXT_NOTES + NOTES[5:] if dataset == "codesearch"
@@ -1188,6 +1283,10 @@ def build_parser(parser=None):
                         help="how the PacTrain rows prune (taylor: first-order saliency, "
                              "for pretrained models; grasp: at initialization with "
                              "--pretrain-epochs 0)")
+    add_config_options(parser.add_argument_group(
+        "the pruning recipe (pacmpi train's knobs): --prune-layers, --distill and "
+        "--freeze-embeddings apply to every row they concern, the schedule to -gradual rows"),
+        RECIPE)
     add_merge(parser, "runs of the same workload (other seeds or methods)", needs_json=True)
     add_cache_dir(parser)
     add_out_dir(parser)
@@ -1252,7 +1351,7 @@ def main(argv=None):
         timeout=args.timeout, seed=args.seed, seeds=args.seeds,
         prune_method=args.prune_method, cache_dir=args.cache_dir, out_dir=args.out_dir,
         timing_steps=args.timing_steps, curves=curves,
-        json_path=args.json,
+        recipe={k: getattr(args, k) for k in RECIPE}, json_path=args.json,
         plots=not args.no_plots, **workload)
     print(format_table(report))
     print(f"total {report['total_seconds']:.0f} s; wrote {report['json']}"

@@ -92,7 +92,8 @@ from pacmpi.experiments.models import MODELS, PRETRAINED_MODELS, build_model, co
 from pacmpi.methods import ALLREDUCE_METHODS, METHODS, lookup_method
 from pacmpi.units import parse_size
 
-__all__ = ["BiasProbe", "TrainConfig", "build_parser", "collectives_for", "exit_after_gloo",
+__all__ = ["BiasProbe", "TrainConfig", "add_config_options", "build_parser", "check_config",
+           "collectives_for", "exit_after_gloo",
            "fine_tune", "main", "pretrained_state", "run"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -273,7 +274,10 @@ def parse_gradual(text):
     return milestones
 
 
-def _config(config):
+def check_config(config):
+    """The :class:`TrainConfig` of ``config`` (a TrainConfig, dict or argparse namespace) with
+    its defaults resolved; ``ValueError`` naming the first knob that is wrong or does not fit
+    the others."""
     if isinstance(config, TrainConfig):
         config = dataclasses.asdict(config)
     elif isinstance(config, argparse.Namespace):
@@ -603,7 +607,7 @@ class _HorovodSync(_FrameworkSync):
 
     Horovod packs and reduces inside ``optimizer.step()``, so the step split is coarser than
     with MPI: ``comm_seconds`` is the whole synchronization (pack + all-reduce + unpack).
-    Checkpoints and TopK are MPI-backend only (:func:`_config` refuses them). Needs
+    Checkpoints and TopK are MPI-backend only (:func:`check_config` refuses them). Needs
     ``hvd.init()`` first (:func:`collectives_for`).
     """
 
@@ -912,7 +916,7 @@ def run(config, collectives=None) -> dict:
 def fine_tune(config, collectives=None):
     """:func:`run`, returning ``(model, result)``: the fine-tuned model as well (identical on
     every rank; pruned weights exactly zero)."""
-    cfg = _config(config)
+    cfg = check_config(config)
     if collectives is None:
         collectives = collectives_for(cfg.backend, cfg.watchdog)
     rank, size = collectives.rank, collectives.size
@@ -971,7 +975,7 @@ def fine_tune(config, collectives=None):
                              ratio=cfg.topk_ratio, momentum=cfg.momentum, seed=cfg.seed)
         sync.attach(optimizer)
     else:
-        # TopK all-gathers through mpi4py itself (--backend mpi only, see _config).
+        # TopK all-gathers through mpi4py itself (--backend mpi only, see check_config).
         sync_kwargs = ({"comm": collectives.comm} if cfg.method == "topk" else
                        {"collectives": collectives, "bucket_bytes": cfg.bucket_bytes,
                         "verify_every": cfg.verify_every, "stable_steps": cfg.stable_steps,
@@ -1034,6 +1038,7 @@ def fine_tune(config, collectives=None):
         bar = progress(total=len(batches), initial=skip, desc=f"epoch {epoch}")
         for b in range(skip, len(batches)):
             xb, yb = batches[b]
+            pruning = time.perf_counter()
             if schedule is not None:
                 new = schedule.step(model, step, data=grasp_data, collectives=collectives,
                                     loss_fn=loss_fn)
@@ -1062,6 +1067,7 @@ def fine_tune(config, collectives=None):
                 sync.record(t1 - t0, t2 - t1)
             losses.append(float(loss.detach()))
             record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,
+                      "prune_seconds": t0 - pruning,
                       "loss": losses[-1],
                       "optimizer_seconds": t2 - t1 - sync.last_step["wait_seconds"]}
             record.update({k: sync.last_step[k] for k in _StepLog.KEYS if k in sync.last_step})
@@ -1148,10 +1154,17 @@ class _NoBar:
 
 # ---------------------------------------------------------------------------------- CLI
 def build_parser():
-    """``pacmpi train``'s parser: a flag per :class:`TrainConfig` field, with its help, choices
-    and type from the field's :func:`knob`."""
-    parser = command_parser("pacmpi train", __doc__)
+    """``pacmpi train``'s parser: a flag per :class:`TrainConfig` field."""
+    return add_config_options(command_parser("pacmpi train", __doc__))
+
+
+def add_config_options(parser, names=None):
+    """Add to ``parser`` a flag per :class:`TrainConfig` field (those in ``names``, default
+    all), with its help, choices and type from the field's :func:`knob`; returns ``parser``.
+    The benchmark drivers pass the same knobs on to the job this way."""
     for field in dataclasses.fields(TrainConfig):
+        if names is not None and field.name not in names:
+            continue
         flag = "--" + field.name.replace("_", "-")
         options = dict(field.metadata)
         if field.type is bool or isinstance(field.default, bool):
@@ -1185,7 +1198,7 @@ def _print_summary(result):
 def main(argv=None):
     """Entry point of ``pacmpi train``; prints a summary on rank 0 and writes ``--json``."""
     args = build_parser().parse_args(argv)
-    cfg = _config(args)
+    cfg = check_config(args)
     collectives = collectives_for(cfg.backend, cfg.watchdog)
     result = run(cfg, collectives)
     if collectives.rank == 0:

@@ -112,9 +112,9 @@ def test_training_job_fine_tunes_pruned_minilm_on_two_ranks(tmp_path):
 
 
 def test_bad_model_for_the_dataset_is_named():
-    from pacmpi.experiments.train import _config
+    from pacmpi.experiments.train import check_config
 
     with pytest.raises(ValueError, match="--model digits_cnn does not fit --dataset codesearch"):
-        _config({"dataset": "codesearch", "model": "digits_cnn"})
+        check_config({"dataset": "codesearch", "model": "digits_cnn"})
     with pytest.raises(ValueError, match="--eval-every must be >= 0 steps, got -1"):
-        _config({"eval_every": -1})
+        check_config({"eval_every": -1})

@@ -108,11 +108,11 @@ def test_state_is_built_without_a_process_group():
 
 
 def test_bad_configurations_are_refused():
-    from pacmpi.experiments.train import _config
+    from pacmpi.experiments.train import check_config
 
     for config, message in (({"backend": "ddp", "method": "topk"}, "--backend ddp supports"),
                             ({"method": "powersgd"}, "use --backend ddp"),
                             ({"backend": "ddp", "checkpoint": "x"}, "--checkpoint"),
                             ({"backend": "ddp", "powersgd_rank": 0}, "--powersgd-rank")):
         with pytest.raises(ValueError, match=message):
-            _config(config)
+            check_config(config)

@@ -125,10 +125,10 @@ def test_prune_with_the_selection_matches_the_schedule_at_one_shot():
     ({"prune_layers": "some"}, "'some'"),
 ])
 def test_the_training_job_names_a_bad_recipe(config, named):
-    from pacmpi.experiments.train import _config
+    from pacmpi.experiments.train import check_config
 
     with pytest.raises(ValueError, match=re.escape(named)):
-        _config(config)
+        check_config(config)
 
 
 def test_the_learning_rate_rewarms_after_each_move_of_the_mask():
@@ -152,3 +152,81 @@ def test_recipe_scenario(ranks, scenario):
     """Masks agree after every update, pruned weights and Adam state stay 0, dense steps only
     after updates; a schedule that skips the broadcast is caught; bad schedules raise."""
     run_scenarios("recipe_scenarios.py", ranks, timeout=150).check(scenario)
+
+
+# ---------------------------------------------------------------- the benchmark's -gradual rows
+def test_gradual_labels_and_the_recipe_reach_each_job():
+    from pacmpi.experiments.bench_train import TEXT, job_command, parse_method
+
+    spec = parse_method("pactrain-ternary-0.8-noef-block256-gradual")
+    assert (spec.gradual, spec.ratio, spec.ternary_scale, spec.error_feedback) == (
+        True, 0.8, 256, False)
+    for bad in ("pactrain-0-gradual", "dense-gradual", "pactrain-0.8-sharded-gradual",
+                "topk-1%-gradual"):
+        with pytest.raises(ValueError, match="-gradual follows a pactrain label"):
+            parse_method(bad)
+    recipe = {"prune_layers": "linear", "prune_steps": 48, "prune_every": 4,
+              "freeze_embeddings": True, "distill": 0.5}
+    cfg = {**TEXT, "recipe": recipe}
+
+    def tail(label, **extra):
+        argv, _, _ = job_command({**cfg, **extra}, parse_method(label), "none", None, "o.json")
+        return argv[argv.index("--method"):]
+
+    everyone = ["--prune-layers", "linear", "--freeze-embeddings"]
+    assert tail("dense") == ["--method", "dense", "--ratio", "0.0", *everyone,
+                             "--topk-ratio", "0.01"]
+    assert tail("pactrain-0.8") == ["--method", "pactrain", "--ratio", "0.8", *everyone,
+                                    "--distill", "0.5", "--topk-ratio", "0.01"]
+    schedule = ["--prune-steps", "48", "--prune-every", "4"]
+    assert tail("pactrain-0.8-gradual") == [
+        "--method", "pactrain", "--ratio", "0.8", "--prune-layers", "linear", *schedule,
+        "--freeze-embeddings", "--distill", "0.5", "--topk-ratio", "0.01"]
+    # a timing run times the final mask's step: the schedule is left out there
+    assert tail("pactrain-0.8-gradual", max_steps=6) == tail("pactrain-0.8")
+
+
+def test_gradual_rows_need_a_schedule_and_bad_knobs_are_named():
+    from pacmpi.experiments.bench_train import run_benchmark
+
+    with pytest.raises(ValueError, match="pactrain-0.8-gradual prune by the cubic schedule"):
+        run_benchmark(methods=("dense", "pactrain-0.8-gradual"), rates=("none",),
+                      sweep_ratios=())
+    with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
+        run_benchmark(methods=("dense", "pactrain-0.8-gradual"), rates=("none",),
+                      sweep_ratios=(), recipe={"prune_steps": 10, "prune_every": 0})
+    with pytest.raises(ValueError, match="unknown recipe knobs"):
+        run_benchmark(methods=("dense",), rates=("none",), sweep_ratios=(),
+                      recipe={"prune_ratio": 0.5})
+
+
+def test_a_gradual_curve_is_placed_by_each_steps_bytes_and_the_schedule_time():
+    from pacmpi.experiments.bench_train import compose_timing
+
+    def point(step):
+        return {"epoch": 0, "step": step, "wall_seconds": 0.0, "train_seconds": 0.0,
+                "test_accuracy": 0.5, "train_loss": 1.0}
+
+    def timed(seconds, sent):
+        return {"curve": [], "throughput": {"step_seconds_mean": seconds}, "bytes_per_step": sent}
+
+    # 4 steps: dense while nothing is pruned, a dense fallback after the move at step 2, then
+    # the final mask's packed steps; moving the mask took 0.5 s.
+    gradual = {"curve": [point(2), point(4)], "final_accuracy": 0.5, "best_accuracy": 0.5,
+               "pretrained_accuracy": 0.4, "gradual": True,
+               "bytes_curve": [100, 100, 100, 20], "prune_curve": [0.0, 0.0, 0.5, 0.0]}
+    plain = {**gradual, "gradual": False}
+    unshaped = {"runs": {"pactrain-0.8-gradual": gradual, "pactrain-0.8": plain,
+                         "dense": {**plain, "bytes_curve": [100] * 4}}}
+    shaped = {"runs": {"dense": timed(10.0, 100), "pactrain-0.8-gradual": timed(2.0, 20),
+                       "pactrain-0.8": timed(2.0, 20)}, "failed": {}}
+    compose_timing(shaped, unshaped, 6)
+    # dense bytes at dense's 10 s, the final mask's at its own 2 s, the move's 0.5 s on top
+    assert [p["wall_seconds"] for p in shaped["runs"]["pactrain-0.8-gradual"]["curve"]] == [
+        20.0, 32.5]
+    assert [p["wall_seconds"] for p in shaped["runs"]["pactrain-0.8"]["curve"]] == [4.0, 8.0]
+    assert shaped["runs"]["pactrain-0.8-gradual"]["composed"]["gradual"] is True
+    # control: without the dense reference a -gradual row is refused, not guessed
+    alone = {"runs": {"pactrain-0.8-gradual": timed(2.0, 20)}, "failed": {}}
+    compose_timing(alone, unshaped, 6)
+    assert list(alone["failed"]) == ["pactrain-0.8-gradual"] and not alone["runs"]

@@ -53,14 +53,14 @@ def test_parser_covers_every_config_field():
     args = train.build_parser().parse_args(["--method", "topk", "--topk-ratio", "0.02",
                                             "--no-progress", "--gradual", "5:0.5"])
     assert args.method == "topk" and args.topk_ratio == 0.02 and args.progress is False
-    assert train._config(args).gradual == "5:0.5"
+    assert train.check_config(args).gradual == "5:0.5"
     assert train.build_parser().parse_args(["--ternary-scale", "bucket"]).ternary_scale == "bucket"
     assert train.build_parser().parse_args(["--ternary-scale", "4096"]).ternary_scale == 4096
 
 
 def test_horovod_backend_fails_clearly_without_horovod(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.torch", None)  # import raises ImportError
-    cfg = train._config({"backend": "horovod"})
+    cfg = train.check_config({"backend": "horovod"})
     with pytest.raises(RuntimeError, match="--backend horovod needs horovod.torch"):
         train._HorovodSync(cfg, None, None, {}, None)
 

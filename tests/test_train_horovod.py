@@ -145,7 +145,7 @@ def test_evaluate_sums_counts_over_the_transport():
 
     torch.manual_seed(0)
     model = DigitsCNN(width=8)
-    cfg = train._config({})
+    cfg = train.check_config({})
     data = train._load_data(cfg)
     # Rank 0 of 2 scores every other sample; equal counts on both ranks give its own accuracy.
     assert train._evaluate(cfg, model, data, Doubling([None])) == {
