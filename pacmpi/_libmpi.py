@@ -40,6 +40,7 @@ def user_op(MPI, address):
     """An mpi4py ``Op`` for the commutative MPI_User_function at ``address`` (mpi4py's
     ``Op.Create`` takes only Python callables)."""
     op_create = function(MPI, "MPI_Op_create")
+    # mpi4py tells a handle's C size only through MPI._sizeof (no public way).
     handle_type = {8: ctypes.c_void_p, 4: ctypes.c_int}.get(MPI._sizeof(MPI.Op))
     if handle_type is None:
         raise RuntimeError(f"unexpected MPI_Op size {MPI._sizeof(MPI.Op)}")
@@ -75,6 +76,7 @@ def control_variable(MPI, name):
                                                     ctypes.byref(count)) != 0:
             raise RuntimeError(f"MPI_T_cvar_handle_alloc({name}) failed")
         try:
+            # The C handle of MPI_CHAR, to compare with MPI_T's; mpi4py's only way to it.
             if datatype == MPI._handleof(MPI.CHAR):
                 text = ctypes.create_string_buffer(max(count.value, 1))
                 function(MPI, "MPI_T_cvar_read")(handle, text)

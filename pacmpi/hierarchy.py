@@ -7,7 +7,8 @@ each node broadcasts the result. :class:`HierarchicalCollectives` is that transp
 reduction, the verification's MAX included, passes through both levels, so one verification
 still covers every rank and every rank fails together.
 
-:class:`HierarchicalEngine` changes only the ternary payload. The leader quantizes its node's
+:class:`HierarchicalEngine` changes only the ternary payload, through the engine's packing
+strategy (:class:`NodeSum`: what a rank packs is its node's sum). The leader quantizes its node's
 exact sum (``E[s q] = node sum``, so the estimator stays unbiased), non-leaders contribute
 all-zero words, and the words of K nodes, not N ranks, are summed: base-(2K+1) digits. The
 error-feedback residual is the node sum's, kept by the leader; non-leaders keep none.

@@ -55,6 +55,9 @@ class Snapshot(NamedTuple):
     observation: tuple
 
 
+_NO_SNAPSHOT = Snapshot(None, None)
+
+
 class Run(NamedTuple):
     """Small masks compared together: their bits as last read, and the snapshots those
     matched."""
@@ -208,7 +211,7 @@ class MaskCheck:
         for run, bits in runs:
             cached = self._runs.get(run)
             if (cached is not None
-                    and all(getattr(self._snapshots.get(b), "bitmap", None) is snapshot
+                    and all(self._snapshots.get(b, _NO_SNAPSHOT).bitmap is snapshot
                             for b, snapshot in zip(run, cached.snapshots))
                     and bool(array_module(bits).array_equal(bits, cached.bits))):
                 same.update(run)
