@@ -52,7 +52,7 @@ from .options import (
     knob,
 )
 from .packing import OwnGradient
-from .payloads import Compacted, Encoded, Gathered, InPlace
+from .payloads import Compacted, Encoded, Gathered, InPlace, TernaryWords
 from .quantizers import TernaryQuantizer
 from .residuals import ResidualStore
 from .scratch import BufferPool
@@ -329,13 +329,12 @@ class StepEngine:
         """``u``'s survivors (all of it while dense) copied out of ``flat`` into a pool buffer
         of ``dtype`` (default: ``flat``'s), and its context; ``flat`` itself when every
         coordinate is sent in its own dtype."""
-        group = self.group(u)
+        group, xp = self.group(u), array_module(flat)
         positions = group.positions()
         if positions is None and dtype is None:
             return flat, InPlace(u, self.generation, group.count)
-        wire = self.pool.lend(array_module(flat), group.count,
-                              flat.dtype if dtype is None else dtype)
-        wire = kernels.gather(array_module(flat), flat, positions, wire)
+        wire = self.pool.lend(xp, group.count, flat.dtype if dtype is None else dtype)
+        wire = kernels.gather(xp, flat, positions, wire)
         return wire, Gathered(u, self.generation, group.count, positions)
 
     def compacted(self, u, flat):
@@ -361,7 +360,8 @@ class StepEngine:
         """What :meth:`decode` does once the result is written: keep the step's new
         error-feedback residual (a current step's) and take the payload's buffer back. For a
         front end that decodes the reduced payload itself (a reduce-scattered block of it)."""
-        if getattr(ctx, "residual", None) is not None and ctx.generation == self.generation:
+        if isinstance(ctx, TernaryWords) and ctx.residual is not None and \
+                ctx.generation == self.generation:
             self.residuals.keep(ctx.bucket, ctx.residual)
             ctx.residual = None  # kept once
         if ctx.scratch is not None:

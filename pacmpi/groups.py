@@ -27,8 +27,8 @@ class Group:
     to apply; ``count``: the payload's values; ``steady``: whether what it sends is fixed until
     a member's mask changes (every member packed, or unmasked, or with nothing pruned: a
     ternary scale agreed early still holds). ``table`` (the ternary
-    :class:`pacmpi.segments.SegmentTable`) and ``blocks`` (with it: each member's segments and
-    where each begins in it) are the engine's, made when first needed."""
+    :class:`pacmpi.segments.SegmentTable`) and ``blocks`` (with it, a
+    :class:`pacmpi.quantizers.MemberBlocks`) are the quantizer's, made when first needed."""
 
     __slots__ = ("slots", "key", "states", "masked", "count", "packed", "size", "nbytes",
                  "offsets", "step", "epoch", "table", "steady", "_positions", "_bitmap",

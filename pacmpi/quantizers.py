@@ -10,6 +10,7 @@ integer words (:class:`pacmpi.ternary.TernaryCodec`). What a rank takes the scal
 quantizes is the engine's :attr:`~pacmpi.engine.StepEngine.packing` strategy's.
 """
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,7 +23,16 @@ from .payloads import TernaryWords
 from .segments import SegmentTable, block_count, tensor_sizes
 from .ternary import ternary_key
 
-__all__ = ["TernaryQuantizer"]
+__all__ = ["TernaryQuantizer", "MemberBlocks"]
+
+
+class MemberBlocks(NamedTuple):
+    """A group's segments by member, for ``table`` (its SegmentTable): how many each member
+    has (``counts``), and where each segment begins in its member (``within``: a member's
+    blocks go on along its own key's numbers, as the bucket's do alone)."""
+    table: object
+    counts: list
+    within: object
 
 
 class TernaryQuantizer:
@@ -190,13 +200,14 @@ class TernaryQuantizer:
         key = ternary_key(engine.seed, engine.step, members, engine.collectives.rank)
         if isinstance(b, tuple):  # a member's blocks go on along its key's numbers
             group = engine.group(b)
-            if group.blocks is None or group.blocks[0] is not table:
-                blocks = [block_count(n, engine.ternary_scale)
+            if group.blocks is None or group.blocks.table is not table:
+                counts = [block_count(n, engine.ternary_scale)
                           for n in tensor_sizes(engine.buckets, b, engine.ternary_scale)]
-                first = np.repeat(table.starts[np.cumsum([0] + blocks[:-1])], blocks)
-                group.blocks = (table, blocks, (table.starts[:-1] - first).astype(np.uint64))
-            _, blocks, within = group.blocks
-            key = uniform_from(np.repeat(key, blocks), within)
+                first = np.repeat(table.starts[np.cumsum([0] + counts[:-1])], counts)
+                group.blocks = MemberBlocks(table, counts,
+                                            (table.starts[:-1] - first).astype(np.uint64))
+            blocks = group.blocks
+            key = uniform_from(np.repeat(key, blocks.counts), blocks.within)
         table.encode(xp, values, residual, new_residual, scales, key, engine.codec, words,
                      compact)
         return None if in_place else new_residual
