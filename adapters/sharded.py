@@ -47,7 +47,6 @@ from pacmpi.adapters.ddp import DDPStep
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
 from pacmpi.adapters.torch_sync import model_masks
 from pacmpi.collectives import default_collectives
-from pacmpi.options import EngineOptions
 from pacmpi.sharded import ShardedReducer
 from pacmpi.verify import run_together
 
@@ -113,9 +112,10 @@ class ShardedOptimizer:
 
     def __init__(self, model, optimizer_class, *, masks=None, comm=None, collectives=None,
                  options=None, abort_on_error=None, max_grad_norm=None, **kwargs):
+        # The inner optimizer's arguments, less the knobs (checked by the reducers, on every
+        # rank together).
         knobs = {k: kwargs.pop(k) for k in _KNOBS if k in kwargs}
-        options = EngineOptions.build(options, knobs, who="ShardedOptimizer", takes=_KNOBS)
-        defaults = kwargs  # the inner optimizer's
+        defaults = kwargs
         self.model = model
         if collectives is None:
             collectives = default_collectives(comm)
@@ -125,9 +125,9 @@ class ShardedOptimizer:
         self.max_grad_norm, self.grad_norm = max_grad_norm, None
         self.collectives = collectives
         self._reducer_args = dict(collectives=collectives, abort_on_error=abort_on_error,
-                                  options=options)
-        self.quantize = options.quantize
+                                  options=options, **knobs)
         self._shard_survivors(mask_list)
+        self.quantize = self.groups[0].reducer.engine.quantize
         self.optimizer = optimizer_class(self.shards, **defaults)
         # The DDP step in progress: its entries are [(group, part, block, payload, work)].
         self._steps = DDPStep()

@@ -340,13 +340,13 @@ class PacTrainSync(HookedSync):
         except ValueError as exc:
             raise ValueError(f"{exc} (the all-gather baselines are TopKSync, TernGradSync and "
                              "DGCSync in pacmpi.experiments.baselines)") from None
-        options = EngineOptions.build(options, knobs, who="PacTrainSync", takes=_KNOBS)
+        EngineOptions.check_names(knobs, who="PacTrainSync", takes=_KNOBS)
         super().__init__(model, masks, None, spec.name)
         reducer_masks = [as_array(m) if (spec.packed and m is not None) else None
                          for m in self._masks]
         self.reducer = PacTrainReducer(
             reducer_masks, comm=comm, collectives=collectives, bucket_bytes=bucket_bytes,
-            options=options.replace(quantize=spec.quantize), abort_on_error=abort_on_error,
+            options=options, quantize=spec.quantize, **knobs, abort_on_error=abort_on_error,
             shapes=[tuple(p.shape) for p in self.params],
             dtypes=[numpy_dtype(p.dtype) for p in self.params])
         self.collectives = self.reducer.collectives

@@ -65,15 +65,20 @@ class EngineOptions:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def build(cls, options, knobs, *, who, takes=None, **defaults):
-        """The options of front end ``who``: ``options`` (default: ``cls(**defaults)``, the
-        front end's own defaults where they differ) with the keyword ``knobs`` replaced.
-        ``takes``: the knobs ``who`` accepts (default: all); any other is a TypeError, as an
-        unknown keyword argument is."""
+    def check_names(cls, knobs, *, who, takes=None):
+        """TypeError, as for an unknown keyword argument, unless every name of ``knobs`` is
+        one ``who`` takes (``takes``; default: every knob)."""
         names = [f.name for f in fields(cls)] if takes is None else takes
         unknown = [name for name in knobs if name not in names]
         if unknown:
             raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+
+    @classmethod
+    def build(cls, options, knobs, *, who, takes=None, **defaults):
+        """The options of front end ``who``: ``options`` (default: ``cls(**defaults)``, the
+        front end's own defaults where they differ) with the keyword ``knobs`` replaced
+        (:meth:`check_names` first)."""
+        cls.check_names(knobs, who=who, takes=takes)
         if options is None:
             options = cls(**defaults)
         elif not isinstance(options, cls):

@@ -105,6 +105,7 @@ class PacTrainReducer:
                  bucket_bytes=DEFAULT_BUCKET_BYTES, shapes=None, dtypes=None,
                  cuda_aware="auto", abort_on_error=None, hierarchical=False, node_comm=None,
                  **knobs):
+        EngineOptions.check_names(knobs, who="PacTrainReducer")  # as a signature would
         if collectives is not None and hierarchical:
             raise ValueError("pass hierarchical=True or collectives=, not both (a "
                              "HierarchicalCollectives as collectives= reduces hierarchically)")

@@ -201,13 +201,14 @@ class ShardedReducer:
 
     def __init__(self, masks, *, shapes, dtypes, comm=None, collectives=None, options=None,
                  cuda_aware="auto", abort_on_error=None, **knobs):
-        options = EngineOptions.build(options, knobs, who="ShardedReducer", takes=(
+        EngineOptions.check_names(knobs, who="ShardedReducer", takes=(
             "average", "verify_every", "quantize", "error_feedback", "seed", "word_dtype",
             "ternary_scale"))
+        # (Values checked by the reducer, on every rank together.)
         self._reducer = PacTrainReducer(
             masks, comm=comm, collectives=collectives, bucket_bytes=_ONE_BUCKET,
             shapes=shapes, dtypes=dtypes, cuda_aware=cuda_aware, abort_on_error=abort_on_error,
-            options=options.replace(stable_steps=0, on_mismatch="raise"))
+            options=options, **knobs, stable_steps=0, on_mismatch="raise")
         self.word_counts = None  # ternary: the words of each rank's shard
         self.layout = run_together(self.collectives, self._initial_layout)
 

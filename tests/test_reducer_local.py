@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from pacmpi import MPICollectives, PacTrainReducer, RankInputError
+from pacmpi import EngineOptions, MPICollectives, PacTrainReducer, RankInputError
 from pacmpi.arrays import check_float_dtype, supported_float_dtypes
 
 from xp_util import ARRAY_MODULES, asnumpy
@@ -185,3 +185,34 @@ def test_ternary_scales_ride_on_the_verification_allreduce():
     # step 2 (verified): fused; steps 1 and 3: one all-reduce for both buckets' scales.
     assert max_calls == [2, 1, 1, 1], max_calls
     assert sum(op == "sum" for op, _ in collectives.calls) == len(fused.layout)
+
+
+def test_one_options_object_for_every_front_end():
+    """EngineOptions holds each knob and its default once: a front end given the object or
+    the same knobs as keywords runs the same engine; keywords replace the object's values;
+    an unknown knob is a TypeError naming the front end, a bad value a ValueError naming it,
+    and a front end refuses the knobs it does not take."""
+    from pacmpi.sharded import ShardedReducer
+
+    options = EngineOptions(quantize="ternary", error_feedback=True, seed=5, ternary_scale=64)
+    assert options == EngineOptions(quantize="ternary", error_feedback=True, seed=np.int64(5),
+                                    ternary_scale=np.int64(64))
+    by_object, by_keywords = local([None], options=options), local(
+        [None], quantize="ternary", error_feedback=True, seed=5, ternary_scale=64)
+    assert by_object.options == by_keywords.options == by_object.engine.options
+    replaced = local([None], options=options, seed=6)
+    assert (replaced.seed, replaced.quantize, options.seed) == (6, "ternary", 5)
+    assert pickle.loads(pickle.dumps(options)) == options
+    with pytest.raises(TypeError, match="PacTrainReducer\\(\\) got an unexpected keyword "
+                                        "argument 'quantise'"):
+        PacTrainReducer([None], collectives=MPICollectives(comm=MPI.COMM_SELF), quantise=None)
+    with pytest.raises(ValueError, match="verify_every must be a positive integer, got 0"):
+        EngineOptions(verify_every=0)
+    with pytest.raises(TypeError, match="ShardedReducer\\(\\) got an unexpected keyword "
+                                        "argument 'stable_steps'"):
+        ShardedReducer([None], shapes=[(3,)], dtypes=[np.float32], comm=MPI.COMM_SELF,
+                       stable_steps=2)
+    # A bad value is raised on every rank together, as the reducer's other input errors.
+    with pytest.raises(RankInputError, match="verify_every must be a positive integer"):
+        ShardedReducer([None], shapes=[(3,)], dtypes=[np.float32], comm=MPI.COMM_SELF,
+                       verify_every=0)
