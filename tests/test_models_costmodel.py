@@ -29,13 +29,13 @@ from pacmpi.costmodel import (
     peer_step_seconds,
     powersgd_values,
     predict,
-    predict_main,
     step_seconds,
     tensors,
     validate,
     workload,
 )
 from pacmpi.methods import ALLREDUCE_METHODS
+from pacmpi.model_cli import predict_main
 from pacmpi.ternary import TernaryCodec
 from pacmpi.units import parse_rate
 
