@@ -58,7 +58,9 @@ Selector = Union[str, Iterable[str], Callable[[str, nn.Parameter], bool], None]
 _NORM_TYPES = tuple(
     t
     for t in (
-        nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+        # torch's private base: the one class every BatchNorm*, SyncBatchNorm and InstanceNorm*
+        # derives from (torch exports no public one), so new norm variants are covered too.
+        nn.modules.batchnorm._NormBase,
         nn.LayerNorm,
         nn.GroupNorm,
         nn.LocalResponseNorm,
@@ -96,6 +98,8 @@ def _slots(model: nn.Module) -> OrderedDict[str, _Slot]:
         torch_mask = None
         if attr.endswith("_orig"):
             base = attr[: -len("_orig")]
+            # _buffers, not getattr: torch.nn.utils.prune keeps the mask as a buffer of that name,
+            # and only the buffer table tells a buffer from a plain attribute (no public lookup).
             buffer = module._buffers.get(base + "_mask")
             if buffer is not None:
                 attr, torch_mask = base, buffer
