@@ -649,15 +649,12 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
 
 def _recipe(knobs):
     """``knobs`` without those at ``pacmpi train``'s defaults (so that a report of the default
-    workload says ``{}``, as reports made before the recipe existed), checked by its config."""
+    workload says ``{}``, as reports made before the recipe existed)."""
     defaults = TrainConfig()
     unknown = sorted(set(knobs or {}) - set(RECIPE))
     if unknown:
         raise ValueError(f"unknown recipe knobs {unknown}; the recipe's are {RECIPE}")
-    recipe = {k: v for k, v in (knobs or {}).items() if v != getattr(defaults, k)}
-    if recipe.get("prune_steps"):
-        check_config({**recipe, "ratio": 0.5})
-    return recipe
+    return {k: v for k, v in (knobs or {}).items() if v != getattr(defaults, k)}
 
 
 def _recipe_argv(recipe, spec, timing):
@@ -847,6 +844,9 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
     if gradual and not recipe.get("prune_steps"):
         raise ValueError(f"{', '.join(gradual)} prune by the cubic schedule: give its length, "
                          "--prune-steps N")
+    for spec in specs:  # each row as its job will check it, before any job starts
+        check_config({**recipe, "ratio": spec.ratio,
+                      **({} if spec.gradual else {"prune_steps": 0})})
     cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
            "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs,
            "dataset": dataset, "nodes": nodes, "topology": topology,

@@ -195,6 +195,10 @@ def test_gradual_rows_need_a_schedule_and_bad_knobs_are_named():
     with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
         run_benchmark(methods=("dense", "pactrain-0.8-gradual"), rates=("none",),
                       sweep_ratios=(), recipe={"prune_steps": 10, "prune_every": 0})
+    with pytest.raises(ValueError, match="0.5 is below the initial ratio 0.6"):
+        run_benchmark(methods=("dense", "pactrain-0.8-gradual", "pactrain-0.5-gradual"),
+                      rates=("none",), sweep_ratios=(),
+                      recipe={"prune_steps": 10, "initial_ratio": 0.6})
     with pytest.raises(ValueError, match="unknown recipe knobs"):
         run_benchmark(methods=("dense",), rates=("none",), sweep_ratios=(),
                       recipe={"prune_ratio": 0.5})
