@@ -858,7 +858,8 @@ def _prune(model, ratio: float, prune_args: dict):
     so Taylor and GraSP, scored on a batch, would remove those rows first (on MiniLM, 96% of
     the word embeddings, half the model: top-1 0.553 -> 0.020 at 0.5). Each part loses the same
     fraction, so the whole model does too."""
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tables = {id(m.weight) for m in model.modules()
+              if isinstance(m, nn.Embedding) and m.weight.requires_grad}
     if prune_args["method"] == "magnitude" or not tables:
         return prune(model, ratio, **prune_args)
 
@@ -869,6 +870,20 @@ def _prune(model, ratio: float, prune_args: dict):
     masks.update(prune(model, ratio, include=is_table, **{**prune_args, "method": "magnitude"}))
     order = named_prunable_parameters(model)
     return OrderedDict((name, masks[name]) for name in order)
+
+
+def _selection(cfg, model):
+    """``prune``'s ``include``/``exclude`` for ``--prune-layers``; frozen parameters (after
+    ``--freeze-embeddings``) are never pruned: they neither change nor travel, and a mask on
+    one would name a parameter no synchronization holds."""
+    selection = {"include": linear_weights(model)} if cfg.prune_layers == "linear" else {}
+    if any(not p.requires_grad for p in model.parameters()):
+        selection["exclude"] = _frozen
+    return selection
+
+
+def _frozen(name, param):
+    return not param.requires_grad
 
 
 def _teacher(model):
@@ -950,8 +965,7 @@ def fine_tune(config, collectives=None):
     loss_fn = _loss_fn(cfg)
     prune_args = {"method": cfg.prune_method, "data": grasp_data, "collectives": collectives,
                   "loss_fn": loss_fn}
-    if cfg.prune_layers == "linear":
-        prune_args["include"] = linear_weights(model)
+    prune_args.update(_selection(cfg, model))
     milestones = _milestones(cfg)
     masks = _prune(model, 0.0 if milestones else cfg.ratio, prune_args)
     enforcer = MaskEnforcer(model, masks)
@@ -999,7 +1013,8 @@ def fine_tune(config, collectives=None):
     if milestones and any(s >= step for s, _ in milestones):
         schedule = GradualPruningSchedule([m for m in milestones if m[0] >= step],
                                           method=cfg.prune_method,
-                                          include=prune_args.get("include"))
+                                          include=prune_args.get("include"),
+                                          exclude=prune_args.get("exclude"))
         schedule.masks = dict(sync.masks)
 
     def trained_seconds():

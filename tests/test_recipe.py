@@ -131,6 +131,23 @@ def test_the_training_job_names_a_bad_recipe(config, named):
         check_config(config)
 
 
+def test_frozen_embeddings_are_never_pruned_and_the_sync_takes_the_masks():
+    from pacmpi.adapters.torch_sync import model_masks
+    from pacmpi.experiments.train import TrainConfig, _selection
+
+    model, table = _tiny_bert(), "bert.embeddings.word_embeddings.weight"
+    everything = TrainConfig(prune_layers="all")
+    # control: before freezing, --prune-layers all takes the table
+    assert table in named_prunable_parameters(model, **_selection(everything, model))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            module.weight.requires_grad_(False)
+    for cfg in (everything, TrainConfig(prune_layers="linear")):
+        masks = prune(model, 0.5, **_selection(cfg, model))
+        assert masks and not any("embeddings" in name for name in masks), sorted(masks)
+        model_masks(model, masks)  # a mask on a frozen table would raise here
+
+
 def test_the_learning_rate_rewarms_after_each_move_of_the_mask():
     from pacmpi.experiments.train import TrainConfig, _milestones, _rewarm
 
