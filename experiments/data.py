@@ -51,19 +51,39 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:
         test_fraction: fraction in (0, 1) of the samples held out for testing.
         seed: ``random_state`` of the split; the same seed gives the same split.
 
-    Pixels (integers 0..16) are divided by 16, images are shaped ``(N, 1, 8, 8)``.
+    Pixels (integers 0..16) are divided by 16, images are shaped ``(N, 1, 8, 8)``. The split
+    is kept in :func:`cache_dir` (one file per split and scikit-learn version) and read from
+    there next time: importing scikit-learn costs every rank of every job a second or two,
+    more than a short run's training.
     """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    from importlib.metadata import version
+
+    path = cache_dir() / f"digits-{test_fraction!r}-{seed}-sklearn-{version('scikit-learn')}.pt"
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError):
+        saved = None  # not cached yet, or not a file torch wrote: split again
+    if isinstance(saved, list) and len(saved) == 4 and all(map(torch.is_tensor, saved)):
+        return DataSplit(*saved)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     digits = load_digits()
     x = (digits.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
     y = digits.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed,
                                               stratify=y)
-    return DataSplit(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (x_tr, y_tr, x_te, y_te)))
+    split = DataSplit(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (x_tr, y_tr, x_te, y_te)))
+    from pacmpi.adapters.checkpoint import atomic_save
+
+    try:  # ranks that write it at once each rename a whole file; a read-only home: not kept
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(list(split), path)
+    except OSError:
+        pass
+    return split
 
 
 def load_digits32_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:

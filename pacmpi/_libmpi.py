@@ -5,6 +5,7 @@ variables (:func:`pacmpi.collectives.allreduce_algorithm`).
 """
 import ctypes
 import ctypes.util
+import functools
 import os
 
 __all__ = ["function", "user_op", "control_variable"]
@@ -16,24 +17,37 @@ def function(MPI, name):
     Looked up through mpi4py's extension module first: ``dlsym`` on its handle searches the
     libraries it was linked against, so this is the very library mpi4py calls.
     """
-    candidates = [MPI.__file__]
+    for candidate in _candidates(MPI.__file__):
+        try:
+            return getattr(_library(candidate), name)
+        except (OSError, AttributeError):
+            continue
+    raise RuntimeError(f"{name} not found in the MPI library mpi4py uses")
+
+
+def _candidates(extension):
+    """Where to look, in order: mpi4py's extension, the libmpi files this process has mapped,
+    then ``find_library("mpi")``, reached only when those fail: it runs ``ldconfig`` and a
+    compiler, about 0.2 s a call, and a job's start makes dozens of these lookups."""
+    yield extension
+    mapped = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1]
-                if os.path.basename(path).startswith("libmpi") and path not in candidates:
-                    candidates.append(path)
+                if os.path.basename(path).startswith("libmpi") and path not in mapped:
+                    mapped.append(path)
     except OSError:
         pass
-    candidates.append(ctypes.util.find_library("mpi"))
-    for candidate in candidates:
-        if not candidate:
-            continue
-        try:
-            return getattr(ctypes.CDLL(candidate), name)
-        except (OSError, AttributeError):
-            continue
-    raise RuntimeError(f"{name} not found in the MPI library mpi4py uses")
+    yield from (path for path in mapped if path != extension)
+    found = ctypes.util.find_library("mpi")
+    if found:
+        yield found
+
+
+@functools.lru_cache(maxsize=None)
+def _library(path):
+    return ctypes.CDLL(path)
 
 
 def user_op(MPI, address):

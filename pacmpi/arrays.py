@@ -66,9 +66,12 @@ def bfloat16_dtype():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+_NATIVE_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 def supported_float_dtypes():
     """The floating dtypes pacmpi can reduce on this installation."""
-    dtypes = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
+    dtypes = list(_NATIVE_FLOATS)
     bf16 = bfloat16_dtype()
     if bf16 is not None:
         dtypes.append(bf16)
@@ -78,6 +81,8 @@ def supported_float_dtypes():
 def check_float_dtype(dtype, what="gradient"):
     """``dtype`` as a NumPy dtype (a name such as ``"bfloat16"`` too); ``TypeError`` naming it
     unless it is a supported floating dtype."""
+    if isinstance(dtype, np.dtype) and (dtype in _NATIVE_FLOATS or dtype.name == "bfloat16"):
+        return dtype  # without importing ml_dtypes (a second per process; a bfloat16 has it)
     supported = supported_float_dtypes()  # imports ml_dtypes, which registers "bfloat16"
     names = ", ".join(str(d) for d in supported)
     try:

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _libmpi
 from .arrays import array_module, is_device_array, synchronize
-from .half_sum import half_dtypes, half_sum
+from .half_sum import half_sum, is_half
 
 __all__ = ["Collectives", "MPICollectives", "default_collectives", "allreduce_algorithm"]
 
@@ -257,7 +257,7 @@ class MPICollectives(Collectives):
     def _spec(self, buf, op):
         MPI = self._MPI
         dtype = np.dtype(buf.dtype)
-        if dtype in half_dtypes():
+        if is_half(dtype):
             if op != "sum":
                 raise ValueError(f"only 'sum' is supported for {dtype}, got {op!r}")
             half = half_sum(MPI, dtype)
@@ -272,7 +272,7 @@ class MPICollectives(Collectives):
         halves need no staging."""
         if not is_device_array(buf):
             return False
-        return not self.cuda_aware or (reduces and np.dtype(buf.dtype) in half_dtypes())
+        return not self.cuda_aware or (reduces and is_half(buf.dtype))
 
     @contextlib.contextmanager
     def _staged(self, buf, *, reduces=True, copy_back=True):
@@ -331,7 +331,7 @@ class MPICollectives(Collectives):
         with self._staged(buf, reduces=False) as target:
             # As 16-bit words: mpi4py takes no bfloat16 array itself (NumPy exports no buffer
             # of ml_dtypes' dtype, DLPack has none), and a broadcast only moves the bits.
-            if np.dtype(target.dtype) in half_dtypes():
+            if is_half(target.dtype):
                 target = [target, target.size, self._MPI.UINT16_T]
             with self._watched("Bcast"):
                 self.comm.Bcast(target, root=root)
@@ -354,7 +354,7 @@ class MPICollectives(Collectives):
             counts = [int(c) for c in counts]
             displacements = [start for start, _ in block_bounds(counts)]
             spec = [target, (counts, displacements)]
-            if np.dtype(target.dtype) in half_dtypes():  # bits only, as in bcast: 16-bit words
+            if is_half(target.dtype):  # bits only, as in bcast: 16-bit words
                 spec.append(self._MPI.UINT16_T)
             with self._watched("Allgatherv"):
                 self.comm.Allgatherv(self._MPI.IN_PLACE, spec)

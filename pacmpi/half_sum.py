@@ -50,6 +50,14 @@ def half_dtypes():
     return (np.dtype(np.float16),) if bf16 is None else (np.dtype(np.float16), bf16)
 
 
+def is_half(dtype):
+    """Whether ``dtype`` is one of :func:`half_dtypes`, without importing ml_dtypes: an array
+    of its bfloat16 exists only once it is loaded, and loading it costs every process that
+    never sees one about a second (a training job's broadcasts ask this of float32)."""
+    dtype = np.dtype(dtype)
+    return dtype == np.float16 or dtype.name == "bfloat16"
+
+
 def _numba_half_sum(MPI, dtype):
     from .kernels.cpu import half_sum_function  # imports Numba: only when this route is tried
 
@@ -168,7 +176,7 @@ def half_sum_route(dtype=None):
 
     dtypes = half_dtypes() if dtype is None else (np.dtype(dtype),)
     for d in dtypes:
-        if d not in half_dtypes():
+        if not is_half(d):
             raise ValueError(f"{d} is not a half-precision dtype")
     routes = {d.name: half_sum(MPI, d).route for d in dtypes}
     if len(set(routes.values())) == 1:

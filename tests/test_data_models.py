@@ -60,6 +60,25 @@ def test_digits_split_is_stratified_and_deterministic(digits):
     assert len(small.x_test) == 180
 
 
+def test_digits_split_read_from_the_cache_is_the_split(tmp_path, monkeypatch):
+    """The cached split is scikit-learn's, bit for bit, per seed; a damaged file is split anew."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    made = load_digits_split(seed=3)
+    files = list((tmp_path / "pacmpi").glob("digits-0.25-3-*"))
+    assert len(files) == 1
+    read = load_digits_split(seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(made, read))
+    other = load_digits_split(seed=4)  # negative control: another seed, another file and split
+    assert len(list((tmp_path / "pacmpi").glob("digits-*"))) == 2
+    assert not torch.equal(other.y_test, read.y_test)
+    for damaged in (b"not a split", None):
+        if damaged is None:
+            torch.save({"x_train": made.x_train}, files[0])  # a file torch wrote, not a split
+        else:
+            files[0].write_bytes(damaged)
+        assert all(torch.equal(a, b) for a, b in zip(made, load_digits_split(seed=3)))
+
+
 @pytest.mark.parametrize("fraction", [0.0, 1.0, -0.5])
 def test_digits_split_rejects_bad_fraction(fraction):
     with pytest.raises(ValueError, match=repr(fraction)):
