@@ -45,7 +45,13 @@ the unpruned model, and ``ddp-pactrain-<R>``, ``ddp-pactrain-ternary-<R>`` (PacT
 communication hook). A ``-sharded`` suffix shards the optimizer state (``pacmpi train
 --sharded``): ``pactrain-<R>-sharded`` (:class:`pacmpi.adapters.sharded.ShardedOptimizer`),
 ``ddp-pactrain-<R>-sharded`` (its DDP hook) and ``ddp-dense-sharded`` (DDP with torch's
-``ZeroRedundancyOptimizer``). Presets: ``ddp`` (:data:`DDP_METHODS`) and ``default``
+``ZeroRedundancyOptimizer``). Outer steps (DiLoCo: ``pacmpi train --outer-period H``): a
+``-dilocoH`` suffix on ``dense``, ``pactrain-<R>`` or ``pactrain-ternary-<R>`` (``ddp-`` too)
+trains locally and synchronizes every H steps by DiLoCo's outer step, the pseudo-gradient
+sent by that method (``dense-diloco16``: the dense fp32 reference; ``pactrain-0.8-diloco16``;
+``pactrain-ternary-0-diloco16``: ternary alone); ``ddp-postlocal-<H>`` is torch's
+``PostLocalSGDOptimizer`` averaging the weights every H steps. Presets: ``ddp``
+(:data:`DDP_METHODS`), ``diloco`` (:data:`DILOCO_METHODS`) and ``default``
 (:data:`DEFAULT_METHODS`), e.g. ``--methods dense,fp16,ddp``. Speedups are against dense and
 fp16 (MPI) and, when it ran, DDP's default all-reduce (``ddp-dense``).
 """
@@ -76,7 +82,12 @@ from pacmpi.cli_options import (
 )
 from pacmpi.experiments.data import cache_dir as lab_cache_dir
 from pacmpi.experiments.models import PRETRAINED_MODELS
-from pacmpi.experiments.train import TrainConfig, add_config_options, check_config
+from pacmpi.experiments.train import (
+    OUTER_METHODS,
+    TrainConfig,
+    add_config_options,
+    check_config,
+)
 from pacmpi.launch import CalibrationError, TestbedError, run_command
 from pacmpi.methods import METHODS, canonical_name
 
@@ -88,7 +99,12 @@ DEFAULT_METHODS = ("dense", "fp16", "topk-1%", "pactrain-0.5", "pactrain-0.8",
                    "pactrain-ternary-0.8")
 DDP_METHODS = ("ddp-dense", "ddp-fp16", "ddp-powersgd-1", "ddp-powersgd-4", "ddp-pactrain-0.5",
                "ddp-pactrain-0.8", "ddp-pactrain-ternary-0.8")
-METHOD_PRESETS = {"default": DEFAULT_METHODS, "ddp": DDP_METHODS}
+# The outer-step rows at H = 4 and 16: DiLoCo's dense reference, PacTrain lossless and
+# ternary (pruned, and unpruned for ternary alone), torch's post-local SGD.
+DILOCO_METHODS = tuple(f"{row}{h}" for h in (4, 16) for row in (
+    "dense-diloco", "pactrain-0.8-diloco", "pactrain-ternary-0.8-diloco",
+    "pactrain-ternary-0-diloco", "ddp-postlocal-"))
+METHOD_PRESETS = {"default": DEFAULT_METHODS, "ddp": DDP_METHODS, "diloco": DILOCO_METHODS}
 DEFAULT_SWEEP = (0.0, 0.5, 0.7, 0.8, 0.9)
 BASELINES = ("dense", "fp16")
 DDP_BASELINE = "ddp-dense"  # a third speedup column when it ran
@@ -166,6 +182,10 @@ TIMING_NOTES = [
     "batches, it does not change what a step sends (the mask's size is the ratio's, TopK's k "
     "is fixed), so the spread over seeds is the curves' and the step time's noise is the "
     "first seed's interval (throughput).",
+    "An outer-step row (-dilocoH, ddp-postlocal-H) places its unshaped run's outer steps (those "
+    "that sent bytes) at the timing run's mean outer step and the other steps at its mean inner "
+    "step, both after its first period: the first outer step pays the reducer's one-time "
+    "set-up, as a synchronous row's first step does.",
 ]
 NODE_NOTES = [
     "Node test bed (--nodes K): every job runs on K simulated nodes (network namespaces behind "
@@ -183,7 +203,9 @@ DDP_NOTES = [
     "exposed communication as compute. ddp-powersgd-K: torch's powerSGD_hook of rank K (error "
     "feedback, warm start), 2 dense warm-up steps, then P and Q of every matrix plus the "
     "uncompressed vectors; its bytes/step are torch's count of elements sent x 4 B. ddp-fp16 "
-    "sends half of dense; ddp-pactrain-* send what the MPI PacTrain rows send.",
+    "sends half of dense; ddp-pactrain-* send what the MPI PacTrain rows send. "
+    "ddp-postlocal-H: torch's PostLocalSGDOptimizer, its PeriodicModelAverager averaging the "
+    "weights (one flat fp32 all-reduce) after every H-th step, no DDP wrapper.",
 ]
 
 
@@ -197,7 +219,9 @@ class MethodSpec:
     (label suffix ``-blockN``: a ternary scale per N elements of a tensor) and ``sharded``
     (label suffix ``-sharded``: the optimizer state sharded, ``pacmpi train --sharded``) and
     ``gradual`` (label suffix ``-gradual``: pruned during fine-tuning by the recipe's cubic
-    schedule, ``--prune-steps``, instead of once before it)."""
+    schedule, ``--prune-steps``, instead of once before it) and ``outer_period`` (label
+    suffix ``-dilocoH``, or ``ddp-postlocal-H``: ``--outer-period H``) with
+    ``outer_optimizer`` (``"postlocal"`` for ``ddp-postlocal-H``)."""
 
     label: str
     method: str
@@ -209,6 +233,8 @@ class MethodSpec:
     ternary_scale: object = "tensor"
     sharded: bool = False
     gradual: bool = False
+    outer_period: int = 0
+    outer_optimizer: str = "diloco"
 
 
 _LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
@@ -217,7 +243,10 @@ _LABELS = ("dense, fp16, topk-P% (0 < P <= 100), terngrad, dgc-P%, pactrain-R, "
            "ddp-fp16, ddp-powersgd-K (K >= 1), ddp-pactrain-R, ddp-pactrain-ternary-R, "
            "pactrain-R-sharded, ddp-pactrain-R-sharded and ddp-dense-sharded (the optimizer "
            "state sharded; DDP's dense one by ZeroRedundancyOptimizer), any pactrain label "
-           "with R > 0 followed by -gradual (pruned by --prune-steps' schedule), or a preset: "
+           "with R > 0 followed by -gradual (pruned by --prune-steps' schedule), dense, "
+           "pactrain-R and pactrain-ternary-R labels (ddp- too) followed by -dilocoH (H >= 1: "
+           "outer steps every H steps, DiLoCo's), ddp-postlocal-H (torch's "
+           "PostLocalSGDOptimizer), or a preset: "
            + ", ".join(METHOD_PRESETS))
 
 
@@ -226,12 +255,21 @@ def parse_method(label, baseline_ratio=0.0):
     ``"ddp-powersgd-4"`` -> ``MethodSpec("ddp-powersgd-4", "powersgd", 0.0, backend="ddp",
     powersgd_rank=4)``; see the module doc. Old labels (``dense-fp32``) give today's."""
     label = canonical_name(label)
+    match = re.fullmatch(r"(.+)-diloco([1-9]\d*)", label) if isinstance(label, str) else None
+    if match:
+        spec = parse_method(match.group(1), baseline_ratio)
+        if spec.label != match.group(1) or spec.method not in OUTER_METHODS or spec.sharded \
+                or spec.gradual or spec.outer_period:
+            raise ValueError(f"unknown method label {label!r}: -dilocoH follows dense, "
+                             "pactrain-R or pactrain-ternary-R (ddp- too; not -sharded or "
+                             "-gradual)")
+        return dataclasses.replace(spec, label=label, outer_period=int(match.group(2)))
     if isinstance(label, str) and label.endswith("-gradual"):
         spec = parse_method(label[:-len("-gradual")], baseline_ratio)
         if spec.label != label[:-len("-gradual")] or "pactrain" not in spec.method \
-                or spec.sharded or not spec.ratio > 0:
+                or spec.sharded or spec.outer_period or not spec.ratio > 0:
             raise ValueError(f"unknown method label {label!r}: -gradual follows a pactrain "
-                             "label with a ratio above 0 (not -sharded)")
+                             "label with a ratio above 0 (not -sharded or -dilocoH)")
         return dataclasses.replace(spec, label=label, gradual=True)
     if isinstance(label, str) and label.endswith("-sharded"):
         spec = parse_method(label[:-len("-sharded")], baseline_ratio)
@@ -262,6 +300,10 @@ def parse_method(label, baseline_ratio=0.0):
     if match:
         return MethodSpec(label, "powersgd", baseline_ratio, backend="ddp",
                           powersgd_rank=int(match.group(1)))
+    match = re.fullmatch(r"ddp-postlocal-([1-9]\d*)", label)
+    if match:
+        return MethodSpec(label, "dense", baseline_ratio, backend="ddp",
+                          outer_period=int(match.group(1)), outer_optimizer="postlocal")
     raise ValueError(f"unknown method label {label!r}: use {_LABELS}")
 
 
@@ -324,6 +366,26 @@ def throughput_stats(steps, warmup=2):
             "steps": len(seconds), "step_seconds_mean": mean, "step_seconds_ci95": half}
 
 
+def outer_step_seconds(steps, warmup):
+    """An outer-step run's mean step seconds after ``warmup`` steps (:func:`warmup_steps`):
+    ``outer`` (the steps that sent bytes) and ``inner`` (None where every step is an outer
+    one, period 1); None without an outer step."""
+    kept = steps[warmup:]
+    outer = [s["seconds"] for s in kept if s.get("bytes_sent")]
+    inner = [s["seconds"] for s in kept if not s.get("bytes_sent")]
+    if not outer:
+        return None
+    return {"outer": statistics.fmean(outer), "inner": statistics.fmean(inner) if inner else None,
+            "outer_steps": len(outer)}
+
+
+def warmup_steps(spec):
+    """Steps a run's timing leaves out: the first 2, and an outer-step row's first period,
+    whose outer step pays the reducer's one-time set-up (~5 s on 2 ranks of this host) as a
+    synchronous row's first step does."""
+    return max(2, spec.outer_period)
+
+
 def summarize_run(result, spec, world):
     """Reduce the training job's JSON (``result``) to the benchmark's per-run record."""
     summary = result["summary"]
@@ -353,7 +415,7 @@ def summarize_run(result, spec, world):
         "final_accuracy": result["final_accuracy"],
         "best_accuracy": max(accuracies) if accuracies else None,
         "curve": curve,
-        "throughput": throughput_stats(result["steps"]),
+        "throughput": throughput_stats(result["steps"], warmup_steps(spec)),
         "step_seconds": summary["step_seconds"],
         "bytes_per_step": summary["bytes_per_step"],
         "dense_bytes_per_step": summary["dense_bytes_per_step"],
@@ -370,6 +432,11 @@ def summarize_run(result, spec, world):
         "bytes_curve": [s.get("bytes_sent", 0) for s in result["steps"]],
         "prune_curve": [s.get("prune_seconds", 0.0) for s in result["steps"]],
         "gradual": spec.gradual,
+        "outer_period": spec.outer_period,
+        "outer_optimizer": spec.outer_optimizer if spec.outer_period else None,
+        "outer_steps": result.get("outer_steps"),
+        "outer_step_seconds": (outer_step_seconds(result["steps"], warmup_steps(spec))
+                               if spec.outer_period else None),
         "bias": result.get("bias"),
         "mpi_algorithms": result.get("mpi_algorithms"),
     }
@@ -398,6 +465,13 @@ def compose_timing(block, curves, steps):
                                          "reference's timed step and its own: run dense too"
                 continue
             elapsed = _scheduled_elapsed(source, seconds, dense)
+        elif source.get("outer_period"):
+            if run.get("outer_step_seconds") is None:
+                del block["runs"][label]
+                block["failed"][label] = "its timing run ran no outer step after its first " \
+                                         "period: give --timing-steps at least 2H"
+                continue
+            elapsed = _outer_elapsed(source, run["outer_step_seconds"])
         else:
             elapsed = [step * seconds for step in range(len(source.get("bytes_curve", ())) + 1)]
         run["curve"] = [{**point, "wall_seconds": _at(elapsed, point["step"], seconds),
@@ -406,13 +480,25 @@ def compose_timing(block, curves, steps):
         for key in ("final_accuracy", "best_accuracy", "pretrained_accuracy"):
             run[key] = source[key]
         run["composed"] = {"curve_from": "none", "timing_steps": steps, "step_seconds": seconds,
-                           "gradual": bool(source.get("gradual"))}
+                           "gradual": bool(source.get("gradual")),
+                           "outer_period": source.get("outer_period", 0)}
 
 
 def _at(elapsed, step, seconds):
     """Seconds to the end of ``step`` by ``elapsed`` (its steps' running sums), or at
     ``seconds`` a step where the run recorded no per-step bytes (reports before they were)."""
     return elapsed[step] if step < len(elapsed) else step * seconds
+
+
+def _outer_elapsed(source, split):
+    """Running sums of an outer-step run's step times at a shaped rate: the unshaped run's
+    outer steps (those that sent bytes) at the timed mean outer step (``split["outer"]``), the
+    others at its mean inner step. The mean over all timed steps would weigh outer steps by
+    how many of them the few timed steps happen to hold."""
+    elapsed = [0.0]
+    for sent in source["bytes_curve"]:
+        elapsed.append(elapsed[-1] + split["outer" if sent else "inner"])
+    return elapsed
 
 
 def _scheduled_elapsed(source, packed_seconds, dense):
@@ -637,6 +723,10 @@ def _train_argv(cfg, spec, pretrained, json_path, seed):
             argv.append("--sharded")
         if spec.ternary_scale != "tensor":
             argv += ["--ternary-scale", str(spec.ternary_scale)]
+        if spec.outer_period:
+            argv += ["--outer-period", str(spec.outer_period)]
+        if spec.outer_optimizer != "diloco":
+            argv += ["--outer-optimizer", spec.outer_optimizer]
         argv += _recipe_argv(cfg.get("recipe", {}), spec, timing=bool(cfg.get("max_steps")))
         if spec.backend == "ddp":
             argv += ["--backend", "ddp"]
@@ -845,8 +935,15 @@ def run_benchmark(*, rates=DEFAULT_RATES, methods=DEFAULT_METHODS, sweep_ratios=
         raise ValueError(f"{', '.join(gradual)} prune by the cubic schedule: give its length, "
                          "--prune-steps N")
     for spec in specs:  # each row as its job will check it, before any job starts
+        outer = {"method": spec.method, "backend": spec.backend,
+                 "outer_period": spec.outer_period, "outer_optimizer": spec.outer_optimizer}
         check_config({**recipe, "ratio": spec.ratio,
-                      **({} if spec.gradual else {"prune_steps": 0})})
+                      **({} if spec.gradual else {"prune_steps": 0}),
+                      **(outer if spec.outer_period else {})})
+        if timing_steps is not None and timing_steps < 2 * spec.outer_period:
+            raise ValueError(f"--timing-steps {timing_steps} times no outer step of "
+                             f"{spec.label} after its first: give at least "
+                             f"{2 * spec.outer_period}")
     cfg = {"ranks": ranks, "epochs": epochs, "batch_size": batch_size, "lr": lr, "model": model,
            "width": width, "hidden": hidden, "pretrain_epochs": pretrain_epochs,
            "dataset": dataset, "nodes": nodes, "topology": topology,
@@ -930,8 +1027,8 @@ def _sweep(cfg, ratios, rate, blocks, pretrained, workdir, seed, tolerance, time
     run (nothing is pruned, so PacTrain sends exactly dense's values)."""
     existing = {}
     for run in blocks.get(rate, {}).get("runs", {}).values():
-        if run.get("backend", "mpi") != "mpi":
-            continue  # the sweep is the MPI PacTrain's
+        if run.get("backend", "mpi") != "mpi" or run.get("outer_period"):
+            continue  # the sweep is the MPI PacTrain's, synchronous
         if run["method"] == "pactrain" or (run["method"] == "dense" and run["ratio"] == 0):
             existing.setdefault(run["ratio"], run)
     points, missing = [], [r for r in ratios if r not in existing]
@@ -1226,11 +1323,15 @@ def build_parser(parser=None):
                         help="link rates, comma-separated, tc units; 'none' = unshaped "
                              f"(default {','.join(DEFAULT_RATES)}; none with --quick)")
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS, metavar="M,M",
-                        help="method labels (METHOD[-RATIO], e.g. pactrain-0.8, topk-1%%) and "
-                             "presets, comma-separated, e.g. dense,fp16,ddp "
+                        help="method labels (METHOD[-RATIO], e.g. pactrain-0.8, topk-1%%; a "
+                             "-dilocoH suffix trains with outer steps every H steps, e.g. "
+                             "pactrain-0.8-diloco16; ddp-postlocal-H is torch's "
+                             "PostLocalSGDOptimizer) and presets, comma-separated, e.g. "
+                             "dense,fp16,ddp "
                              "(default "  # argparse %-formats help texts
                              + ", ".join(DEFAULT_METHODS).replace("%", "%%") + "; preset ddp = "
-                             + ", ".join(DDP_METHODS) + ", run under torchrun)")
+                             + ", ".join(DDP_METHODS) + ", run under torchrun; preset diloco "
+                             "= " + ", ".join(DILOCO_METHODS) + ")")
     parser.add_argument("--sweep-ratios", type=comma_list(float), default=None, metavar="R,R",
                         help="pruning ratios for the accuracy-vs-ratio sweep (PacTrain), "
                              "comma-separated; '' = none "

@@ -30,6 +30,13 @@ reduce-scatter of the survivors, stepped by ``optimizer.step()``; under ``--back
 through torch's ``ZeroRedundancyOptimizer``; the result's ``optimizer_state_elements`` is the
 largest rank's optimizer state.
 
+Outer steps (``--outer-period H``, DiLoCo): the ranks train on their own and synchronize
+every H steps, by :class:`pacmpi.adapters.outer.OuterSync` (``--method dense``: the
+pseudo-gradient by a dense fp32 all-reduce, DiLoCo's reference; ``pactrain``,
+``pactrain-ternary``: packed) or, with ``--backend ddp --outer-optimizer postlocal``, torch's
+``PostLocalSGDOptimizer``. A step's ``bytes_sent`` is its outer step's (0 between them);
+evaluations score the global weights, those of the last outer step; masks move at outer steps.
+
 Every collective of the job (weight and mask broadcasts, evaluation sums, barriers, the gradient
 synchronization) runs on one :class:`pacmpi.Collectives` (:func:`collectives_for`): MPI's
 ``COMM_WORLD`` for ``--backend mpi``, Horovod's process set for ``--backend horovod``, the
@@ -40,6 +47,7 @@ baseline, so its accuracy is what PacTrain (lossless) must match.
 """
 import argparse
 import atexit
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -58,6 +66,7 @@ from torch import nn
 
 from pacmpi import MPICollectives
 from pacmpi.adapters.checkpoint import atomic_save, load_checkpoint, save_checkpoint
+from pacmpi.adapters.outer import OuterSync
 from pacmpi.adapters.pruning import (
     PRUNING_CRITERIA,
     GradualPruningSchedule,
@@ -114,6 +123,10 @@ BACKENDS = tuple(BACKEND_METHODS)
 DATASETS = ("digits", "digits32", "cifar10", "codesearch")
 # --prune-layers: prune()'s own default selection, or the transformer recipe's.
 PRUNE_LAYERS = ("all", "linear")
+# --outer-period: what an outer step sends (the pseudo-gradient dense or packed, lossless or
+# ternary), and which optimizer runs it.
+OUTER_METHODS = ("dense", "pactrain", "pactrain-ternary")
+OUTER_OPTIMIZERS = ("diloco", "postlocal")
 DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "cifar_cnn", "digits32": "resnet18",
                   "codesearch": "minilm"}
 
@@ -228,14 +241,33 @@ class TrainConfig:
         False, "shard the optimizer state over the ranks: pactrain through pacmpi's "
                "ShardedOptimizer (its DDP hook under --backend ddp), dense under --backend ddp "
                "through torch's ZeroRedundancyOptimizer")
+    outer_period: int = knob(
+        0, "outer steps (DiLoCo): every rank trains on its own data and the ranks synchronize "
+           "every H steps by an outer step, which sends the pseudo-gradient (global minus local "
+           "weights) by --method: dense (fp32 all-reduce), pactrain (the survivors), "
+           "pactrain-ternary (their ternary codes); --backend mpi or ddp; evaluations score "
+           "the global weights, --verify-every and --stable-steps count outer steps (0: "
+           "synchronize every step)", metavar="H")
+    outer_optimizer: str = knob(
+        "diloco", "with --outer-period: diloco (pacmpi.adapters.outer.OuterSync: outer SGD "
+                  "with Nesterov momentum, --outer-lr, --outer-momentum) or postlocal (torch's "
+                  "PostLocalSGDOptimizer averaging the weights, a dense fp32 all-reduce: the "
+                  "peer torch users have; --backend ddp --method dense)",
+        choices=OUTER_OPTIMIZERS)
+    outer_lr: float = knob(0.7, "with --outer-period: the outer SGD's learning rate (DiLoCo's "
+                                "0.7; 1 with --outer-momentum 0 is model averaging)")
+    outer_momentum: float = knob(0.9, "with --outer-period: the outer SGD's Nesterov momentum "
+                                      "(0: plain SGD)")
     bucket_bytes: int = knob(25 * 1024 * 1024,
                              "fusion bucket size: bytes, or K/M/G (binary: 25M = 26214400)",
                              type=parse_size, metavar="SIZE")
     verify_every: int = knob(1, "check that all ranks hold the same masks every this many "
                                 "steps (1: every step); a mask changed in between is sent "
                                 "from the next check on")
-    stable_steps: int = knob(1, "steps a changed mask must stay unchanged before its bucket is "
-                                "sent packed again (until then: dense, masked; 0: at once)")
+    stable_steps: Optional[int] = knob(
+        None, "steps a changed mask must stay unchanged before its bucket is sent packed again "
+              "(until then: dense, masked; 0: at once; default 1, or 0 with --outer-period, "
+              "whose outer steps count and each verify the masks)", type=int)
     seed: int = knob(0, "random seed: the digits' train/test split, the initialization, the "
                         "batch order and the stochastic methods")
     threads: int = knob(0, "torch threads per rank (0: the host's cores / the ranks)")
@@ -349,7 +381,60 @@ def check_config(config):
         raise ValueError(f"--distill is a share of the loss in [0, 1), got {cfg.distill}")
     if cfg.prune_steps:
         _milestones(cfg)  # names a bad --ratio, --initial-ratio or --prune-every now
+    _check_outer(cfg)
+    if cfg.stable_steps is None:
+        # An outer step verifies the masks anyway, and outer steps are rare: a mask is packed
+        # at the first one that verifies it (OuterSync's own default).
+        cfg.stable_steps = 0 if cfg.outer_period else 1
     return cfg
+
+
+def _check_outer(cfg):
+    """``ValueError`` naming the value unless the outer-step knobs fit each other and the rest
+    of ``cfg``."""
+    if isinstance(cfg.outer_period, bool) or not isinstance(cfg.outer_period, int) \
+            or cfg.outer_period < 0:
+        raise ValueError(f"--outer-period is a step count >= 0, got {cfg.outer_period!r}")
+    if not (cfg.outer_lr > 0 and cfg.outer_momentum >= 0):
+        raise ValueError(f"--outer-lr must be > 0 and --outer-momentum >= 0, got "
+                         f"{cfg.outer_lr} and {cfg.outer_momentum}")
+    if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
+        raise ValueError(f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got "
+                         f"{cfg.outer_optimizer!r}")
+    defaults = TrainConfig()
+    tuned = [f"--{name.replace('_', '-')} {getattr(cfg, name)}"
+             for name in ("outer_optimizer", "outer_lr", "outer_momentum")
+             if getattr(cfg, name) != getattr(defaults, name)]
+    if not cfg.outer_period:
+        if tuned:
+            raise ValueError(f"{', '.join(tuned)} applies to outer steps: give --outer-period H")
+        return
+    where = f"--outer-period {cfg.outer_period}"
+    unsupported = [flag for flag, given in (("--sharded", cfg.sharded),
+                                            ("--bias-probe", cfg.bias_probe),
+                                            ("--checkpoint", cfg.checkpoint)) if given]
+    postlocal = cfg.outer_optimizer == "postlocal"
+    checks = [(cfg.method in OUTER_METHODS,
+               f"{where} sends the pseudo-gradient by --method {'|'.join(OUTER_METHODS)}, not "
+               f"{cfg.method}"),
+              (cfg.backend in ("mpi", "ddp"),
+               f"{where} runs with --backend mpi or ddp, not {cfg.backend}"),
+              (not unsupported, f"{where} does not support {', '.join(unsupported)}"),
+              (not postlocal or (cfg.backend, cfg.method) == ("ddp", "dense"),
+               f"--outer-optimizer postlocal is torch's PostLocalSGDOptimizer: --backend ddp "
+               f"--method dense, not --method {cfg.method} with --backend {cfg.backend}"),
+              (not postlocal or len(tuned) == 1,
+               f"--outer-optimizer postlocal averages the weights: {', '.join(tuned[1:])} "
+               "does not apply"),
+              # OuterSync holds no masks for dense: a mask that moved would not reach its
+              # global weights and outer momentum.
+              (postlocal or cfg.method != "dense" or not (cfg.prune_steps or cfg.gradual),
+               f"{where} --method dense sends every weight and holds no masks, so a moving "
+               "mask (--prune-steps, --gradual) would not reach the global weights: prune once "
+               "(--ratio) or use --method pactrain")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def _milestones(cfg):
@@ -756,6 +841,167 @@ class _ShardedSync(_FrameworkSync):
                      wait_seconds=0.0 if self._in_backward else step_seconds, **extra)
 
 
+# The counters of an outer step's reducer that a step record carries.
+_REDUCER_COUNTERS = ("bytes_sent", "dense_fallbacks", "packed_reductions", "dense_reductions")
+
+
+class _OuterRun(_FrameworkSync):
+    """``--outer-period H``: every rank steps on its own data and the ranks synchronize every
+    H steps, on the step that runs the outer step (its bytes on that step's record, 0 on the
+    others). No DDP wrapper: inner steps communicate nothing. A run whose steps are not a
+    multiple of H ends with one more, shorter period, so that every rank ends with the same
+    model. Subclasses run the outer step (:class:`_DiLoCoRun`, :class:`_PostLocalRun`) and
+    keep ``params`` and their ``globals``, the weights the last outer step left."""
+
+    def __init__(self, cfg, model, masks, total_steps):
+        super().__init__(cfg, model, masks)
+        self.model, self.period, self.total_steps = model, cfg.outer_period, total_steps
+        self.steps, self.outer_steps, self.synced = 0, 0, True
+        self._buffers = [b.detach().clone() for b in model.buffers()]
+
+    def record(self, compute_seconds, step_seconds):
+        """Account one step (``step_seconds``: ``optimizer.step()``, with the outer step when
+        it ran one); on the run's last step, close a shorter last period first."""
+        self.steps += 1
+        in_step = self._outer_seconds() if self.steps % self.period == 0 else 0.0
+        began = time.perf_counter()
+        closing = self.steps == self.total_steps and self.steps % self.period != 0
+        if closing:
+            self.outer_step()
+        self.synced = closing or self.steps % self.period == 0
+        self.outer_steps += self.synced
+        counters, extra = self._counters()
+        if self.synced:
+            self._keep_global()
+        added = time.perf_counter() - began
+        self._record(counters, 0, compute_seconds=compute_seconds,
+                     seconds=compute_seconds + step_seconds + added,
+                     wait_seconds=in_step + added, optimizer_seconds=step_seconds - in_step,
+                     **extra)
+
+    @torch.no_grad()
+    def _keep_global(self):
+        # BatchNorm statistics as of the outer step, which evaluations score with its weights
+        # (rank 0's, as the job gives every method before each evaluation).
+        for kept, buffer in zip(self._buffers, self.model.buffers()):
+            kept.copy_(buffer)
+
+    @contextlib.contextmanager
+    def global_weights(self):
+        """The model holds the last outer step's weights and buffers while the body runs
+        (between outer steps each rank's own differ from them), its own again after."""
+        if self.synced:
+            yield
+            return
+        pairs = (list(zip(self.params, self.globals))
+                 + list(zip(self.model.buffers(), self._buffers)))
+        with torch.no_grad():
+            local = [mine.detach().clone() for mine, _ in pairs]
+            for mine, kept in pairs:
+                mine.copy_(kept)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (mine, _), saved in zip(pairs, local):
+                    mine.copy_(saved)
+
+
+class _DiLoCoRun(_OuterRun):
+    """``--outer-optimizer diloco``: :class:`pacmpi.adapters.outer.OuterSync` on the inner
+    optimizer's step hook, sending the pseudo-gradient dense without masks (``--method dense``:
+    DiLoCo's reference), as packed survivors (``pactrain``) or as their ternary codes."""
+
+    def __init__(self, cfg, model, optimizer, masks, collectives, total_steps):
+        super().__init__(cfg, model, masks, total_steps)
+        method = METHODS[cfg.method]
+        self.outer = OuterSync(
+            model, optimizer, period=cfg.outer_period, masks=masks if method.packed else None,
+            quantize=method.quantize, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+            # BatchNorm statistics stay each rank's, as under every per-step method (the job
+            # gives every rank rank 0's before each evaluation).
+            buffers="local", collectives=collectives, bucket_bytes=cfg.bucket_bytes,
+            verify_every=cfg.verify_every, stable_steps=cfg.stable_steps, seed=cfg.seed,
+            error_feedback=cfg.error_feedback, ternary_scale=cfg.ternary_scale)
+        self.optimizer, self.params, self.globals = optimizer, self.outer.params, self.outer.globals
+        self._seconds = {}
+
+    def set_masks(self, masks):
+        super().set_masks(masks)
+        self.outer.set_masks(masks)  # at the next outer step
+
+    def outer_step(self):
+        self.outer.outer_step()
+
+    def _outer_seconds(self):
+        return self.outer.last_outer["seconds"]
+
+    def _counters(self):
+        stats, extra = self.outer.stats, {}
+        for key in ("pack_seconds", "comm_seconds", "unpack_seconds", "verify_seconds"):
+            extra[key] = stats[key] - self._seconds.get(key, 0.0)
+            self._seconds[key] = stats[key]
+        return {key: stats[key] for key in _REDUCER_COUNTERS}, extra
+
+
+class _PostLocalRun(_OuterRun):
+    """``--outer-optimizer postlocal``: torch's ``PostLocalSGDOptimizer`` around the inner
+    optimizer, its ``PeriodicModelAverager`` averaging the weights (one flat fp32 all-reduce)
+    every H steps: the peer torch users have, DiLoCo with an outer learning rate of 1 and no
+    momentum. ``globals``: a copy of the weights as last averaged, for the evaluations."""
+
+    def __init__(self, cfg, model, optimizer, masks, total_steps):
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        super().__init__(cfg, model, masks, total_steps)
+        # The averager averages at its calls warmup_steps + kH (0-based): with warm-up H - 1,
+        # after every H-th step, as OuterSync does (with 0, after the first step too).
+        self.averager = PeriodicModelAverager(period=cfg.outer_period,
+                                              warmup_steps=cfg.outer_period - 1)
+        self.optimizer = PostLocalSGDOptimizer(optimizer, self.averager)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.globals = [p.detach().clone() for p in self.params]
+        self._sent = {key: 0 for key in _REDUCER_COUNTERS}
+        self._inner_done = 0.0
+        # PostLocalSGDOptimizer.step() averages right after the inner step: from its end on.
+        optimizer.register_step_post_hook(self._mark_inner_done)
+
+    def _mark_inner_done(self, optimizer, args, kwargs):
+        self._inner_done = time.perf_counter()
+
+    def outer_step(self):
+        from torch.distributed.algorithms.model_averaging import utils
+
+        utils.average_parameters_or_parameter_groups(self.optimizer.param_groups,
+                                                     self.averager.process_group)
+
+    def _outer_seconds(self):
+        return time.perf_counter() - self._inner_done
+
+    def _counters(self):
+        if self.synced:
+            from torch.distributed.algorithms.model_averaging import utils
+
+            averaged = utils.get_params_to_average(self.optimizer.param_groups)
+            self._sent["bytes_sent"] += sum(p.numel() * p.element_size() for p in averaged)
+            self._sent["dense_reductions"] += 1
+        return dict(self._sent), {}
+
+    @torch.no_grad()
+    def _keep_global(self):
+        super()._keep_global()
+        for g, p in zip(self.globals, self.params):  # the averaging gave them new storage
+            g.copy_(p)
+
+
+def _outer_run(cfg, model, optimizer, masks, collectives, total_steps):
+    """The :class:`_OuterRun` of ``--outer-optimizer``."""
+    if cfg.outer_optimizer == "postlocal":
+        return _PostLocalRun(cfg, model, optimizer, masks, total_steps)
+    return _DiLoCoRun(cfg, model, optimizer, masks, collectives, total_steps)
+
+
 class BiasProbe:
     """How far the synchronized gradient is from the exact average (``--bias-probe``, for
     ``pacmpi bench bias``). A gradient hook registered before the sync's copies each rank's
@@ -923,7 +1169,8 @@ def run(config, collectives=None) -> dict:
     step summary since the previous evaluation), ``final_accuracy``, ``pretrained_accuracy``,
     ``parameters``, ``density``, ``steps`` (per step: ``seconds``, ``samples_per_second``,
     the compute / pack / comm / unpack split, ``bytes_sent``), ``summary`` (averages over the
-    run), ``state_sha256`` (digest of the final model, equal on every rank).
+    run), ``state_sha256`` (digest of the final model, equal on every rank), ``outer_steps``
+    (with ``outer_period``; else None).
     """
     return fine_tune(config, collectives)[1]
 
@@ -974,7 +1221,15 @@ def fine_tune(config, collectives=None):
     forward = model
     # Before the sync's hooks, so it sees each local gradient before any of it is sent.
     probe = BiasProbe(model, enforcer.masks, collectives) if cfg.bias_probe else None
-    if cfg.sharded:
+    if cfg.outer_period:
+        # Before the outer step's hook: the local pruned weights are 0 when it reads them.
+        enforcer.attach(optimizer)
+        steps = cfg.epochs * (len(x_train) // cfg.batch_size)  # drop_last batches, every epoch
+        sync = _outer_run(cfg, model, optimizer,
+                          {name: mask.clone() for name, mask in enforcer.masks.items()},
+                          collectives, min(steps, cfg.max_steps or steps))
+        optimizer = sync.optimizer
+    elif cfg.sharded:
         sync = _ShardedSync(cfg, model, {name: mask.clone() for name, mask in
                                          enforcer.masks.items()}, collectives)
         forward, optimizer = sync.forward, sync.optimizer
@@ -997,7 +1252,8 @@ def fine_tune(config, collectives=None):
         sync = make_sync(model, cfg.method, masks=masks, topk_ratio=cfg.topk_ratio,
                          error_feedback=cfg.error_feedback, **sync_kwargs)
         sync.attach(optimizer)
-    if not (cfg.sharded and cfg.method == "pactrain"):  # the shards hold survivors only
+    # The shards hold survivors only; the outer run's inner optimizer is attached above.
+    if not (cfg.sharded and cfg.method == "pactrain") and not cfg.outer_period:
         enforcer.attach(optimizer)
 
     step, start_epoch, skip, elapsed, records = 0, 0, 0, 0.0, []
@@ -1031,9 +1287,10 @@ def fine_tune(config, collectives=None):
     def evaluate(epoch):
         nonlocal evaluating, since, losses
         began = time.perf_counter()
-        # rank 0's BatchNorm statistics for everyone (eval mode uses them; training does not)
-        broadcast_buffers(model, collectives=collectives)
-        scores = _evaluate(cfg, model, data, collectives)
+        with sync.global_weights() if cfg.outer_period else contextlib.nullcontext():
+            # rank 0's BatchNorm statistics for everyone (eval mode uses them; training not)
+            broadcast_buffers(model, collectives=collectives)
+            scores = _evaluate(cfg, model, data, collectives)
         evaluating += time.perf_counter() - began
         records.append({"epoch": epoch, "step": step, "wall_seconds": trained_seconds(),
                         **scores, "train_loss": sum(losses) / max(1, len(losses)),
@@ -1054,7 +1311,9 @@ def fine_tune(config, collectives=None):
         for b in range(skip, len(batches)):
             xb, yb = batches[b]
             pruning = time.perf_counter()
-            if schedule is not None:
+            # With outer steps a mask moves right after one, on the weights every rank then
+            # holds; OuterSync applies it to the global weights at the next.
+            if schedule is not None and step % (cfg.outer_period or 1) == 0:
                 new = schedule.step(model, step, data=grasp_data, collectives=collectives,
                                     loss_fn=loss_fn)
                 if new is not None:
@@ -1078,7 +1337,7 @@ def fine_tune(config, collectives=None):
             step += 1
             if probe is not None:
                 probe.measure()
-            if cfg.backend != "mpi" or cfg.sharded:
+            if cfg.backend != "mpi" or cfg.sharded or cfg.outer_period:
                 sync.record(t1 - t0, t2 - t1)
             losses.append(float(loss.detach()))
             record = {"step": step, "seconds": t2 - t0, "samples": len(xb) * size,
@@ -1129,6 +1388,7 @@ def fine_tune(config, collectives=None):
         # the optimizer's per-coordinate state (Adam's moments), the largest over the ranks
         "optimizer_state_elements": max(collectives.allgather_object(_state_elements(optimizer))),
         "mpi_algorithms": _mpi_algorithms(cfg.backend),
+        "outer_steps": sync.outer_steps if cfg.outer_period else None,
     }
 
 
@@ -1197,8 +1457,11 @@ def _print_summary(result):
     s = result["summary"]
     t = s["step_seconds"]
     cfg = result["config"]
+    outer = (f", {result['outer_steps']} outer steps ({cfg['outer_optimizer']}, every "
+             f"{cfg['outer_period']} steps)" if cfg["outer_period"] else "")
     print(f"pacmpi train: {cfg['model']} ({result['parameters']:,} parameters, density "
-          f"{result['density']:.3f}) on {result['world_size']} ranks, method {cfg['method']}")
+          f"{result['density']:.3f}) on {result['world_size']} ranks, method {cfg['method']}"
+          + outer)
     print(f"  pretrained (dense) test accuracy: {result['pretrained_accuracy']:.4f}")
     for r in result["epochs"]:
         print(f"  epoch {r['epoch']}: {r['wall_seconds']:8.2f} s  test accuracy "
