@@ -75,7 +75,8 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DataSplit:
     y = digits.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed,
                                               stratify=y)
-    split = DataSplit(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (x_tr, y_tr, x_te, y_te)))
+    split = DataSplit(*(torch.from_numpy(np.ascontiguousarray(a))
+                        for a in (x_tr, y_tr, x_te, y_te)))
     from pacmpi.adapters.checkpoint import atomic_save
 
     try:  # ranks that write it at once each rename a whole file; a read-only home: not kept
