@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .mpi import remove_session_dirs
+
 __all__ = ["new_name", "owner", "workdir", "pids_in", "end_processes", "delete", "remove_stale"]
 
 NETNS_DIR = Path("/var/run/netns")  # where `ip netns add NAME` puts the name (iproute2)
@@ -78,7 +80,7 @@ def end_processes(namespaces, grace=3.0):
     ``ip netns del`` only removes a name: a namespace, and the devices in it, live on while
     anything runs in it. Returns the pids still there after the SIGKILL's ``grace`` (none
     unless a process is stuck in the kernel)."""
-    pids = []
+    pids, killed = [], []
     for signum in (signal.SIGTERM, signal.SIGKILL):
         pids = pids_in(namespaces)
         for pid in pids:
@@ -86,12 +88,14 @@ def end_processes(namespaces, grace=3.0):
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
+        killed += pids if signum == signal.SIGKILL else []
         deadline = time.monotonic() + grace
         while pids and time.monotonic() < deadline:
             time.sleep(0.05)
             pids = pids_in(namespaces)
         if not pids:
             break
+    remove_session_dirs(set(killed) - set(pids))
     return pids
 
 

@@ -19,14 +19,17 @@ controller because ``horovodrun --mpi`` passes Open MPI 4-only flags that Open M
 """
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from .launchers import find_launcher
 
 __all__ = ["MPIFlavor", "MPIDetectionError", "detect_mpi", "build_mpirun_command",
            "build_horovodrun_command", "build_torchrun_command", "ring_collectives_env",
-           "allreduce_pin", "ALLREDUCE_CHOICES"]
+           "allreduce_pin", "ALLREDUCE_CHOICES", "remove_session_dirs"]
 
 OPENMPI, MPICH, INTEL = "openmpi", "mpich", "intel"
 
@@ -58,6 +61,20 @@ class MPIFlavor:
     def describe(self):
         """Human-readable name, e.g. ``Open MPI 5.0.11``."""
         return f"{self.name} {'.'.join(map(str, self.version))}".strip()
+
+
+def remove_session_dirs(pids):
+    """Remove what Open MPI's launcher left in the temporary directory when it was SIGKILLed.
+
+    Open MPI 5's launcher (prterun) keeps its PMIx rendezvous socket in ``$TMPDIR/ompi.PID``
+    and removes the directory when it ends, but not when it is SIGKILLed. A later launcher
+    that the kernel gives the same pid (pids wrap at 32768 by default) cannot bind there and
+    exits with status 213, "The PMIx server's listener thread failed to start": one job fails,
+    long after the one that was killed. Call this with the pids of processes known to be gone.
+    """
+    tmp = Path(tempfile.gettempdir())
+    for pid in pids:
+        shutil.rmtree(tmp / f"ompi.{pid}", ignore_errors=True)
 
 
 def _version(text):

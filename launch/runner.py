@@ -27,6 +27,7 @@ from .mpi import (
     build_mpirun_command,
     build_torchrun_command,
     detect_mpi,
+    remove_session_dirs,
 )
 from .nodes import NodeTestbed, describe_daemon_failure, parse_daemon_failure
 from .testbed import INTERFACE, LinkTestbed, format_rate
@@ -116,17 +117,19 @@ def _end(proc, grace):
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not _exited(proc):
         time.sleep(0.05)
-    left = _session(proc.pid)
+    left, killed = _session(proc.pid), set()
     deadline = time.monotonic() + _KILLED_S
     while left and time.monotonic() < deadline:
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
             except ProcessLookupError:
                 pass
         time.sleep(0.05)
         left = _session(proc.pid)
     proc.wait(timeout=_KILLED_S)  # SIGKILL cannot be refused: this only reaps the launcher
+    remove_session_dirs(killed)
 
 
 def _execute(cmd, *, env, timeout, capture, echo, grace):

@@ -439,18 +439,7 @@ class StepEngine:
         if state["quantize"] != self.quantize:
             raise ValueError(f"checkpoint has quantize={state['quantize']!r}, "
                              f"this one has {self.quantize!r}")
-        saved = state["tracker"]
-        snapshots, observations = self.check.observe(self.check.checked(flats))
-        if saved["last_commit_step"] is not None:
-            changed = [spec.name for spec, (fp, _), entry in
-                       zip(self.buckets, observations, saved["buckets"])
-                       if entry["fingerprint"] is not None and fp != entry["fingerprint"]]
-            if changed:
-                raise ValueError(f"masks of {changed} differ from those verified at step "
-                                 f"{saved['last_commit_step']} of the checkpoint; restore the "
-                                 "checkpoint's masks before loading it")
-        tracker = MaskTracker(len(self.buckets), stable_steps=self.tracker.stable_steps)
-        tracker.load_state_dict(saved, snapshots)
+        tracker = self.check.restored_tracker(state["tracker"], flats, self.tracker.stable_steps)
         same_world = state["world_size"] == self.collectives.size
 
         def apply():

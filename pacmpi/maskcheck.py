@@ -322,6 +322,23 @@ class MaskCheck:
             received.append(xp.unpackbits(wire)[:snapshot.size].view(xp.bool_))
         return received
 
+    def restored_tracker(self, saved, flats, stable_steps):
+        """The :class:`MaskTracker` of a checkpoint's tracker state ``saved``, once the current
+        flat masks ``flats`` are shown to carry the fingerprints it verified (ValueError naming
+        the buckets whose masks differ)."""
+        snapshots, observations = self.observe(self.checked(flats))
+        if saved["last_commit_step"] is not None:
+            changed = [spec.name for spec, (fp, _), entry in
+                       zip(self.buckets, observations, saved["buckets"])
+                       if entry["fingerprint"] is not None and fp != entry["fingerprint"]]
+            if changed:
+                raise ValueError(f"masks of {changed} differ from those verified at step "
+                                 f"{saved['last_commit_step']} of the checkpoint; restore the "
+                                 "checkpoint's masks before loading it")
+        tracker = MaskTracker(len(self.buckets), stable_steps=stable_steps)
+        tracker.load_state_dict(saved, snapshots)
+        return tracker
+
     def arrays(self):
         """The bit arrays it keeps (snapshots, runs, the joined masks'), for memory reports."""
         for snapshot in self._snapshots.values():

@@ -19,10 +19,16 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["MPI_SCRIPTS", "ScenarioRun", "mpirun_argv", "netns_skip_reason", "run_bounded",
-           "run_horovod_gloo", "run_mpi", "run_scenarios", "scenario_cases", "scenario_names",
-           "scenario_run"]
+from pacmpi.launch.mpi import remove_session_dirs
 
+__all__ = ["MPI_SCRIPTS", "SUITE_ENV", "ScenarioRun", "mpirun_argv", "netns_skip_reason",
+           "run_bounded", "run_horovod_gloo", "run_mpi", "run_scenarios", "scenario_cases",
+           "scenario_names", "scenario_run"]
+
+# Set for the whole test session (conftest.py). Open MPI's libfabric transport (btl ofi) spends
+# about a second of every MPI_Init probing this host's fabric providers, and one host never uses
+# it: shared memory and TCP carry every message, as they would with it.
+SUITE_ENV = {"OMPI_MCA_btl": "^ofi"}
 MPI_SCRIPTS = Path(__file__).parent / "mpi_scripts"
 RUNNER = Path(__file__).parent / "scenario_runner.py"
 
@@ -69,17 +75,22 @@ def _session_members(sid):
 
 def _kill_session(sid):
     """SIGKILL every process of session ``sid``. Not just the launcher's process group: Open
-    MPI's launcher gives each rank a group of its own, which would outlive it."""
+    MPI's launcher gives each rank a group of its own, which would outlive it. What a killed
+    launcher leaves in the temporary directory goes too, or a later launch that gets its pid
+    fails to start."""
+    killed = set()
     for _ in range(10):  # again, in case a process forked meanwhile
         members = _session_members(sid)
         if not members:
-            return
+            break
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
             except OSError:
                 pass
         time.sleep(0.1)
+    remove_session_dirs(killed - set(_session_members(sid)))
 
 
 def _communicate(argv, timeout, env):

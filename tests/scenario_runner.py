@@ -55,6 +55,9 @@ class RankReport:
 
 def main(report_dir, *pytest_args):
     path = Path(report_dir) / f"rank{launcher_rank()}.jsonl"
+    # The plugins installed in the environment (hypothesis's above all) cost every rank of
+    # every launch up to 2 s to load; scenarios use none of them, only pytest's own fixtures.
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     # No conftest: the outer suite's session fixtures are not the scenarios' business; no
     # cache: every rank would write the same .pytest_cache.
     return pytest.main(["--noconftest", "-p", "no:cacheprovider", "-q", "--color=no", *pytest_args],

@@ -19,7 +19,7 @@ from pacmpi.launch.doctor import usable_cpus
 from pacmpi.launch.testbed import probe_testbed
 
 from doc_snippets import README, REPO, all_snippets, snippet
-from mpi_util import mpirun_argv, run_bounded
+from mpi_util import SUITE_ENV, mpirun_argv, run_bounded
 
 README_MAX_LINES = 250
 # Every marked snippet and the test that runs it: a new marker without a test fails here.
@@ -288,6 +288,7 @@ def scratch(tmp_path_factory):
 def fresh_shell_env():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PACMPI_", "OMPI_", "PRTE_", "PMIX_")) and k != "VIRTUAL_ENV"}
+    env.update(SUITE_ENV)  # the test machine's setting, not the user's (mpi_util)
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
                                   if d != venv_bin)

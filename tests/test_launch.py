@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from pacmpi.launch.mpi import (
     allreduce_pin,
     build_torchrun_command,
     parse_mpi_version,
+    remove_session_dirs,
     ring_collectives_env,
 )
 from pacmpi.launch.runner import parse_torchrun_failure
@@ -45,7 +47,7 @@ from pacmpi.launch.testbed import link_model, probe_testbed
 from pacmpi.units import parse_rate
 
 import testbed_leaks
-from mpi_util import netns_skip_reason
+from mpi_util import mpirun_argv, netns_skip_reason
 
 PY = sys.executable
 VENV_BIN = str(Path(PY).parent)
@@ -729,12 +731,14 @@ def test_timeout_ends_the_job():
 
 
 STUBBORN_LAUNCHER = f"""#!{PY}
-# Says it is Open MPI; then, unlike it, ignores SIGTERM and, like it, starts its one rank in a
-# process group of its own (the rank ignores SIGTERM too).
-import os, signal, subprocess, sys
+# Says it is Open MPI; then, unlike it, ignores SIGTERM and, like it, keeps a session
+# directory named by its pid and starts its one rank in a process group of its own (the rank
+# ignores SIGTERM too).
+import os, signal, subprocess, sys, tempfile
 if sys.argv[1:] == ["--version"]:
     sys.exit(print("mpirun (Open MPI) 5.0.11"))
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.mkdir(os.path.join(tempfile.gettempdir(), "ompi." + str(os.getpid())))
 rank = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "print('RANK', os.getpid(), os.getpgid(0), flush=True); time.sleep(60)")
 subprocess.run([sys.executable, "-c", rank], process_group=0)
@@ -742,7 +746,8 @@ subprocess.run([sys.executable, "-c", rank], process_group=0)
 
 
 @pytest.mark.timeout(60)
-def test_launcher_that_ignores_sigterm_is_killed_with_all_it_started(tmp_path):
+def test_launcher_that_ignores_sigterm_is_killed_with_all_it_started(tmp_path,
+                                                                    launcher_tmpdir):
     launcher = tmp_path / "mpirun"
     launcher.write_text(STUBBORN_LAUNCHER)
     launcher.chmod(0o755)
@@ -755,6 +760,34 @@ def test_launcher_that_ignores_sigterm_is_killed_with_all_it_started(tmp_path):
                       if line.startswith("RANK")]
     assert group == rank  # not the launcher's group: killpg() alone would miss it
     assert not running(rank)
+    assert not list(launcher_tmpdir.glob("ompi.*"))  # the killed launcher's session directory
+
+
+def in_pid_namespace(script):
+    """Run the shell ``script`` as pid 1 of a new pid namespace, where the first process it
+    starts is always pid 2: the only way to give two launchers one pid on purpose."""
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(os.geteuid() != 0 or in_pid_namespace("true").returncode != 0,
+                    reason="needs unshare(1) and the right to make a pid namespace")
+def test_a_sigkilled_launchers_pid_cannot_launch_until_its_session_directory_goes(
+        launcher_tmpdir):
+    mpirun = shlex.join(mpirun_argv(1))
+    up = launcher_tmpdir / "up"
+    in_pid_namespace(f"{mpirun} sh -c 'touch {up}; sleep 60' & "
+                     f"for i in $(seq 300); do [ -e {up} ] && break; sleep 0.1; done; kill -9 $!")
+    assert up.exists() and (launcher_tmpdir / "ompi.2").is_dir()
+    failed = in_pid_namespace(f"{mpirun} true")
+    assert failed.returncode == 213, failed
+    assert "The PMIx server's listener thread failed to start" in failed.stderr + failed.stdout
+    remove_session_dirs([2])
+    assert not (launcher_tmpdir / "ompi.2").exists()
+    passed = in_pid_namespace(f"{mpirun} true")
+    assert passed.returncode == 0, passed
 
 
 # --- real runs under torchrun (no test bed) -------------------------------------------------

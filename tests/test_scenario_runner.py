@@ -55,16 +55,20 @@ def test_a_rank_that_dies_fails_every_scenario_of_its_launch():
 
 
 @pytest.mark.mpi
-def test_a_launch_that_hangs_fails_what_it_did_not_report():
-    run = run_scenarios(MODULE, 2, only=("test_passes", HANGING), timeout=30)
+def test_a_launch_that_hangs_fails_what_it_did_not_report(launcher_tmpdir):
+    run = run_scenarios(MODULE, 2, only=("test_passes", HANGING), timeout=10,
+                        env=(("TMPDIR", str(launcher_tmpdir)),))
     message = failure(run, HANGING)
     assert f"{MODULE}::{HANGING} on 2 ranks" in message, message
     assert "not reported by [0, 1]\n" in message, message
-    assert "the launch did not finish within 30s (hang?)" in message, message
+    assert "the launch did not finish within 10s (hang?)" in message, message
     # Every rank was killed with the launcher (Open MPI gives ranks process groups of their own).
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and HANGING.encode() in
             _cmdline(pid)]
     assert not left, left
+    # Nor did the killed launcher leave its session directory, where a later launcher with
+    # its pid would fail to start (tests/test_launch.py shows how).
+    assert not list(launcher_tmpdir.glob("ompi.*"))
 
 
 def _cmdline(pid):
