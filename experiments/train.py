@@ -933,6 +933,10 @@ class _DiLoCoRun(_OuterRun):
     def outer_step(self):
         self.outer.outer_step()
 
+    def memory_report(self):
+        """OuterSync's bytes on this rank, by component (global copy, outer momentum, ...)."""
+        return self.outer.memory_report()
+
     def _outer_seconds(self):
         return self.outer.last_outer["seconds"]
 
@@ -1389,7 +1393,16 @@ def fine_tune(config, collectives=None):
         "optimizer_state_elements": max(collectives.allgather_object(_state_elements(optimizer))),
         "mpi_algorithms": _mpi_algorithms(cfg.backend),
         "outer_steps": sync.outer_steps if cfg.outer_period else None,
+        # what outer steps keep beside the model (PostLocalSGD keeps nothing: it averages in
+        # place), the largest over the ranks
+        "outer_memory": _largest(collectives.allgather_object(sync.memory_report()))
+        if cfg.outer_period and cfg.outer_optimizer == "diloco" else None,
     }
+
+
+def _largest(reports):
+    """Component by component, the largest of the ranks' memory reports."""
+    return {key: max(report[key] for report in reports) for key in reports[0]}
 
 
 def _mpi_algorithms(backend):

@@ -58,6 +58,9 @@ def test_dense_outer_steps_send_the_model_every_h_steps_only():
     assert synced == [4, 8] and result["outer_steps"] == 2, (synced, result["outer_steps"])
     assert sent == result["steps"][0]["dense_bytes"]  # every weight, fp32
     assert result["summary"]["bytes_per_step"] == 2 * sent / 8
+    # A global copy of the weights; no outer momentum at momentum 0.
+    memory = result["outer_memory"]
+    assert memory["global"] == sent and memory["outer_optimizer"] == 0, memory
 
 
 def test_pactrain_outer_steps_send_fewer_bytes():
@@ -66,6 +69,8 @@ def test_pactrain_outer_steps_send_fewer_bytes():
     assert synced == [4, 8] and result["fallbacks"] == 0, (synced, result["fallbacks"])
     dense = synced_steps(RUNS["dense"][1])[1]
     assert 0 < sent < 0.6 * dense, (sent, dense)  # half the weights pruned (plus the dense rest)
+    memory = result["outer_memory"]  # DiLoCo's Nesterov momentum: a second copy
+    assert memory["global"] == memory["outer_optimizer"] == dense and memory["reducer"] > 0, memory
 
 
 def test_over_torch_distributed_postlocal_sgd_averages_as_an_outer_step_of_rate_1():
