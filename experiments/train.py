@@ -36,6 +36,9 @@ pseudo-gradient by a dense fp32 all-reduce, DiLoCo's reference; ``pactrain``,
 ``pactrain-ternary``: packed) or, with ``--backend ddp --outer-optimizer postlocal``, torch's
 ``PostLocalSGDOptimizer``. A step's ``bytes_sent`` is its outer step's (0 between them);
 evaluations score the global weights, those of the last outer step; masks move at outer steps.
+``--checkpoint`` keeps OuterSync's state (global weights, outer momentum, each rank's own
+weights and inner optimizer, the position in the period): a run resumed mid-period continues
+bit for bit.
 
 Every collective of the job (weight and mask broadcasts, evaluation sums, barriers, the gradient
 synchronization) runs on one :class:`pacmpi.Collectives` (:func:`collectives_for`): MPI's
@@ -410,10 +413,11 @@ def _check_outer(cfg):
             raise ValueError(f"{', '.join(tuned)} applies to outer steps: give --outer-period H")
         return
     where = f"--outer-period {cfg.outer_period}"
+    postlocal = cfg.outer_optimizer == "postlocal"
     unsupported = [flag for flag, given in (("--sharded", cfg.sharded),
                                             ("--bias-probe", cfg.bias_probe),
-                                            ("--checkpoint", cfg.checkpoint)) if given]
-    postlocal = cfg.outer_optimizer == "postlocal"
+                                            ("--checkpoint", cfg.checkpoint and postlocal))
+                   if given]
     checks = [(cfg.method in OUTER_METHODS,
                f"{where} sends the pseudo-gradient by --method {'|'.join(OUTER_METHODS)}, not "
                f"{cfg.method}"),
@@ -936,6 +940,31 @@ class _DiLoCoRun(_OuterRun):
     def memory_report(self):
         """OuterSync's bytes on this rank, by component (global copy, outer momentum, ...)."""
         return self.outer.memory_report()
+
+    @property
+    def collectives(self):
+        return self.outer.collectives
+
+    def state_dict(self):
+        """OuterSync's state (laid out as ``save_checkpoint`` expects) and, under ``"job"``,
+        where the run stands: its steps and outer steps, the buffers the last outer step left
+        (what evaluations score) and the counters."""
+        return dict(self.outer.state_dict(), job={
+            "steps": self.steps, "outer_steps": self.outer_steps, "synced": self.synced,
+            "buffers": [b.detach().clone() for b in self._buffers],
+            "seconds": dict(self._seconds), "stats": dict(self.stats)})
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        job = state.pop("job")
+        self.outer.load_state_dict(state)
+        if state["masks"]:
+            super().set_masks(state["masks"])  # the job's own mask tensors too
+        self.steps, self.outer_steps, self.synced = job["steps"], job["outer_steps"], job["synced"]
+        with torch.no_grad():
+            for kept, saved in zip(self._buffers, job["buffers"]):
+                kept.copy_(saved)
+        self._seconds, self.stats = dict(job["seconds"]), dict(job["stats"])
 
     def _outer_seconds(self):
         return self.outer.last_outer["seconds"]

@@ -31,7 +31,8 @@ TIMEOUT = 240  # generous: ranks share 2 cores; a hang still fails
     ({"outer_period": 4, "method": "topk"}, "--outer-period 4 sends .* not topk"),
     ({"outer_period": 4, "backend": "horovod"}, "--outer-period 4 runs with .* not horovod"),
     ({"outer_period": 4, "sharded": True}, "does not support --sharded"),
-    ({"outer_period": 4, "checkpoint": "c.pt"}, "does not support --checkpoint"),
+    ({"outer_period": 4, "outer_optimizer": "postlocal", "backend": "ddp", "method": "dense",
+      "checkpoint": "c.pt"}, "does not support --checkpoint"),
     ({"outer_period": 4, "bias_probe": True}, "does not support --bias-probe"),
     ({"outer_period": 4, "outer_lr": 0}, "--outer-lr must be > 0 .* got 0 and 0.9"),
     ({"outer_period": 4, "outer_momentum": -0.5}, "--outer-momentum >= 0, got 0.7 and -0.5"),
@@ -57,6 +58,7 @@ def test_outer_knobs_that_fit_pass_and_resolve_stable_steps():
     assert train.check_config({"outer_period": 4, "method": "pactrain-ternary",
                                "ratio": 0.0}).stable_steps == 0
     assert train.check_config({"outer_period": 4, "prune_steps": 20}).outer_period == 4
+    assert train.check_config({"outer_period": 4, "checkpoint": "c.pt"}).checkpoint == "c.pt"
     assert train.check_config({"outer_period": 4, "outer_optimizer": "postlocal",
                                "backend": "ddp", "method": "dense", "gradual": "8:0.5"})
     assert train.check_config({}).stable_steps == 1

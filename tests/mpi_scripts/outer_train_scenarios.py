@@ -9,7 +9,9 @@ these tests in this order under mpirun (tests/test_outer_train.py), each reporte
    rounding (the oracle) and not 2's (the control); 2 over gloo ends bit for bit where it did
    over MPI (2 ranks: every sum is one addition, exact in any order);
 4. ternary codes of the unpruned model over 6 steps: the last, shorter period closes the run,
-   and evaluations between outer steps score the last outer step's model.
+   and evaluations between outer steps score the last outer step's model;
+5. 2 again with a checkpoint at step 6 (mid-period) ends where 2 did, and a run resumed from
+   that checkpoint ends there too, bit for bit, with the same bytes on steps 7 and 8.
 
 Every run ends with the same weights on every rank. Files (the pretrained model) are in
 $PACMPI_TEST_WORKDIR.
@@ -104,3 +106,13 @@ def test_ternary_closes_a_shorter_last_period_and_evaluates_global_weights():
     accuracy = {r["step"]: r["test_accuracy"] for r in result["epochs"]}
     # Steps 1-3 score the model the run started from, 5 the one step 4's outer step left.
     assert accuracy[1] == accuracy[2] == accuracy[3] and accuracy[5] == accuracy[4], accuracy
+
+
+def test_a_checkpoint_mid_period_resumes_bit_for_bit():
+    path = os.path.join(WORKDIR, "outer.ckpt")  # one file, written by rank 0
+    whole = train("checkpointed", method="pactrain", checkpoint=path, checkpoint_every=6)
+    assert whole["state_sha256"] == RUNS["pactrain"][1]["state_sha256"]  # saving changes nothing
+    resumed = train("resumed", method="pactrain", checkpoint=path, resume=True)
+    assert resumed["state_sha256"] == whole["state_sha256"]
+    assert [s["bytes_sent"] for s in resumed["steps"]] == [s["bytes_sent"] for s in whole["steps"]]
+    assert resumed["outer_steps"] == whole["outer_steps"] == 2
