@@ -29,7 +29,8 @@ from .launchers import find_launcher
 
 __all__ = ["MPIFlavor", "MPIDetectionError", "detect_mpi", "build_mpirun_command",
            "build_horovodrun_command", "build_torchrun_command", "ring_collectives_env",
-           "allreduce_pin", "ALLREDUCE_CHOICES", "remove_session_dirs"]
+           "allreduce_pin", "ALLREDUCE_CHOICES", "PMIX_LISTENER_FAILED", "remove_session_dirs",
+           "session_dir"]
 
 OPENMPI, MPICH, INTEL = "openmpi", "mpich", "intel"
 
@@ -63,18 +64,27 @@ class MPIFlavor:
         return f"{self.name} {'.'.join(map(str, self.version))}".strip()
 
 
+#: What Open MPI 5's launcher prints, exiting with status 213, when it cannot bind its PMIx
+#: rendezvous (see :func:`remove_session_dirs`).
+PMIX_LISTENER_FAILED = "The PMIx server's listener thread failed to start"
+
+
+def session_dir(pid):
+    """Where Open MPI 5's launcher (prterun) with pid ``pid`` keeps its session: its PMIx
+    rendezvous socket and job data, ``$TMPDIR/ompi.PID``."""
+    return Path(tempfile.gettempdir()) / f"ompi.{pid}"
+
+
 def remove_session_dirs(pids):
     """Remove what Open MPI's launcher left in the temporary directory when it was SIGKILLed.
 
-    Open MPI 5's launcher (prterun) keeps its PMIx rendezvous socket in ``$TMPDIR/ompi.PID``
-    and removes the directory when it ends, but not when it is SIGKILLed. A later launcher
-    that the kernel gives the same pid (pids wrap at 32768 by default) cannot bind there and
-    exits with status 213, "The PMIx server's listener thread failed to start": one job fails,
-    long after the one that was killed. Call this with the pids of processes known to be gone.
+    prterun removes its :func:`session_dir` when it ends, but not when it is SIGKILLed. A later
+    launcher that the kernel gives the same pid (pids wrap at 32768 by default) cannot bind
+    there and exits with status 213 (:data:`PMIX_LISTENER_FAILED`): one job fails, long after
+    the one that was killed. Call this with the pids of processes known to be gone.
     """
-    tmp = Path(tempfile.gettempdir())
     for pid in pids:
-        shutil.rmtree(tmp / f"ompi.{pid}", ignore_errors=True)
+        shutil.rmtree(session_dir(pid), ignore_errors=True)
 
 
 def _version(text):

@@ -21,6 +21,7 @@ from .failure import RankFailure, describe_failure, parse_rank_failure
 from .launchers import LauncherNotFoundError, find_launcher, python_env_bin
 from .mpi import (
     OPENMPI,
+    PMIX_LISTENER_FAILED,
     MPIDetectionError,
     allreduce_pin,
     build_horovodrun_command,
@@ -28,6 +29,7 @@ from .mpi import (
     build_torchrun_command,
     detect_mpi,
     remove_session_dirs,
+    session_dir,
 )
 from .nodes import NodeTestbed, describe_daemon_failure, parse_daemon_failure
 from .testbed import INTERFACE, LinkTestbed, format_rate
@@ -133,7 +135,7 @@ def _end(proc, grace):
 
 
 def _execute(cmd, *, env, timeout, capture, echo, grace):
-    """Run ``cmd``; return (returncode, stdout lines, stderr lines, timed_out)."""
+    """Run ``cmd``; return (returncode, stdout lines, stderr lines, timed_out, pid)."""
     keep = (lambda: []) if capture else (lambda: collections.deque(maxlen=_TAIL_LINES))
     out, err = keep(), keep()
     proc, pumps, timed_out = None, [], False
@@ -163,7 +165,8 @@ def _execute(cmd, *, env, timeout, capture, echo, grace):
             drained = time.monotonic() + _OUTPUT_DRAIN_S
             for pump in pumps:
                 pump.join(timeout=max(0.0, drained - time.monotonic()))
-    return (TIMEOUT_EXIT if timed_out else proc.returncode), list(out), list(err), timed_out
+    return ((TIMEOUT_EXIT if timed_out else proc.returncode), list(out), list(err), timed_out,
+            proc.pid)
 
 
 # torchrun's ChildFailedError summary: the "Root Cause (first observed failure)" entry reads
@@ -369,11 +372,11 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
                                testbed.calibrate(max(n, 2), tolerance=tolerance))
                 if echo:
                     _say(describe_calibration(calibration, nodes=bool(node_table)))
-            rc, out, err, timed_out = _execute(cmd, env=child_env, timeout=timeout,
-                                               capture=capture, echo=echo, grace=grace)
+            rc, out, err, timed_out, pid = _execute(cmd, env=child_env, timeout=timeout,
+                                                    capture=capture, echo=echo, grace=grace)
     else:
-        rc, out, err, timed_out = _execute(cmd, env=child_env, timeout=timeout, capture=capture,
-                                           echo=echo, grace=grace)
+        rc, out, err, timed_out, pid = _execute(cmd, env=child_env, timeout=timeout,
+                                                capture=capture, echo=echo, grace=grace)
 
     result = RunResult(rc, cmd, calibration=calibration, timed_out=timed_out, setup_commands=setup,
                        notes=notes, nodes=node_table)
@@ -387,6 +390,14 @@ def run_command(argv, n, *, link=None, nodes=None, topology=None, horovod=False,
         host = parse_daemon_failure(text) if node_table and result.failure is None else None
         result.failure_message = (describe_daemon_failure(host, rc, launcher) if host else
                                   describe_failure(result.failure, rc, launcher))
+        if result.failure is None and host is None and PMIX_LISTENER_FAILED in text:
+            # A launcher SIGKILLed earlier with this pid left its session directory; ours has
+            # ended, so the directory is nobody's now, and the next run can start.
+            remove_session_dirs([pid])
+            result.failure_message = (
+                f"pacmpi-run: {launcher} could not start its PMIx server (status {rc}): a "
+                f"launcher killed earlier with the same pid ({pid}) had left its session "
+                f"directory {session_dir(pid)}; it is removed: run the command again")
     if result.failure_message and echo:
         sys.stderr.write(result.failure_message + "\n")
         sys.stderr.flush()

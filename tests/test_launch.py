@@ -763,6 +763,35 @@ def test_launcher_that_ignores_sigterm_is_killed_with_all_it_started(tmp_path,
     assert not list(launcher_tmpdir.glob("ompi.*"))  # the killed launcher's session directory
 
 
+STALE_SESSION_LAUNCHER = f"""#!{PY}
+# Says it is Open MPI 5; then fails as its launcher does when a launcher killed earlier with
+# the same pid left its session directory (tests below show the real one doing so).
+import os, sys, tempfile
+if sys.argv[1:] == ["--version"]:
+    sys.exit(print("mpirun (Open MPI) 5.0.11"))
+os.makedirs(os.path.join(tempfile.gettempdir(), "ompi." + str(os.getpid()), "1"))
+print("-" * 74, "The PMIx server's listener thread failed to start. We cannot", "continue.",
+      "-" * 74, sep="\\n", file=sys.stderr)
+sys.exit(213)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_session_directory_is_named_and_removed(tmp_path, launcher_tmpdir):
+    launcher = tmp_path / "mpirun"
+    launcher.write_text(STALE_SESSION_LAUNCHER)
+    launcher.chmod(0o755)
+    result = run_command(["t"], 2, mpirun=str(launcher), capture=True, echo=False, timeout=30)
+    assert result.returncode == 213 and result.failure is None
+    (stale,) = re.findall(r"session directory (\S+);", result.failure_message)
+    assert stale.startswith(f"{launcher_tmpdir}/ompi.")
+    assert result.failure_message == (
+        f"pacmpi-run: mpirun could not start its PMIx server (status 213): a launcher killed "
+        f"earlier with the same pid ({stale.rpartition('.')[2]}) had left its session directory "
+        f"{stale}; it is removed: run the command again")
+    assert not list(launcher_tmpdir.glob("ompi.*"))
+
+
 def in_pid_namespace(script):
     """Run the shell ``script`` as pid 1 of a new pid namespace, where the first process it
     starts is always pid 2: the only way to give two launchers one pid on purpose."""
