@@ -1250,7 +1250,9 @@ def fine_tune(config, collectives=None):
     masks = _prune(model, 0.0 if milestones else cfg.ratio, prune_args)
     enforcer = MaskEnforcer(model, masks)
 
-    optimizer = _optimizer(cfg, model.parameters(), cfg.lr)
+    # Over what trains: frozen embeddings would be skipped anyway (no gradient), and
+    # OuterSync refuses an optimizer over parameters it does not hold.
+    optimizer = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad], cfg.lr)
     forward = model
     # Before the sync's hooks, so it sees each local gradient before any of it is sent.
     probe = BiasProbe(model, enforcer.masks, collectives) if cfg.bias_probe else None

