@@ -21,8 +21,10 @@ its own. Every rank trains on data of its own, so only the outer steps make weig
    weights, equal on every rank again after the period's outer step; the object pickles
    without its communicator.
 """
+import contextlib
 import hashlib
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -284,6 +286,17 @@ def test_mask_differing_on_one_rank_at_an_outer_step():
 
 
 # ---------------------------------------------------------------------------- 7. checkpoints
+@contextlib.contextmanager
+def shared_directory():
+    """A temporary directory rank 0 makes and, once every rank is done with it, removes."""
+    directory = Path(comm.bcast(tempfile.mkdtemp(prefix="pacmpi-outer-") if rank == 0
+                                else None))
+    yield directory
+    comm.Barrier()  # kept where a scenario failed, to look at
+    if rank == 0:
+        shutil.rmtree(directory)
+
+
 def adam_run(steps, checkpoint_at=None, directory=None, world=comm):
     model = cnn()
     masks = prune(model, 0.5, comm=world)
@@ -305,48 +318,47 @@ def adam_run(steps, checkpoint_at=None, directory=None, world=comm):
 
 
 def test_checkpoint_mid_period_resumes_bit_for_bit():
-    directory = Path(comm.bcast(tempfile.mkdtemp(prefix="pacmpi-outer-") if rank == 0
-                                else None))
-    whole = adam_run(7)
-    half = adam_run(7, checkpoint_at=4)
-    assert half.step_in_period == 1
-    save_checkpoint(directory / "ckpt", model=half.model, optimizer=half.optimizer, sync=half,
-                    step=4, epoch=0)
-    resumed = adam_run(7, checkpoint_at=4, directory=directory)
-    for what in ("model", "globals"):
-        a = flat(whole.model.parameters() if what == "model" else whole.globals)
-        b = flat(resumed.model.parameters() if what == "model" else resumed.globals)
-        assert torch.equal(a, b), f"{what}: {(a - b).abs().max()}"
-    assert len(set(digests(resumed.model.parameters()))) == size  # mid-period: local
-    assert resumed.outer_steps == whole.outer_steps == 2
+    with shared_directory() as directory:
+        whole = adam_run(7)
+        half = adam_run(7, checkpoint_at=4)
+        assert half.step_in_period == 1
+        save_checkpoint(directory / "ckpt", model=half.model, optimizer=half.optimizer,
+                        sync=half, step=4, epoch=0)
+        resumed = adam_run(7, checkpoint_at=4, directory=directory)
+        for what in ("model", "globals"):
+            a = flat(whole.model.parameters() if what == "model" else whole.globals)
+            b = flat(resumed.model.parameters() if what == "model" else resumed.globals)
+            assert torch.equal(a, b), f"{what}: {(a - b).abs().max()}"
+        assert len(set(digests(resumed.model.parameters()))) == size  # mid-period: local
+        assert resumed.outer_steps == whole.outer_steps == 2
 
 
 def test_a_checkpoint_resumes_at_another_world_size():
     """Taken mid-period on the first half of the ranks, resumed on all of them: every rank
     continues from rank 0's local state and the global weights, and the period's outer step
     makes them all equal again."""
-    directory = Path(comm.bcast(tempfile.mkdtemp(prefix="pacmpi-outer-") if rank == 0
-                                else None))
-    first, saved = comm.Split(0 if rank < size // 2 else MPI.UNDEFINED, rank), None
-    if first != MPI.COMM_NULL:
-        half = adam_run(7, checkpoint_at=4, world=first)
-        save_checkpoint(directory / "ckpt", model=half.model, optimizer=half.optimizer,
-                        sync=half, step=4, epoch=0)
-        saved = flat(half.globals), flat(half.model.parameters())
-        first.Free()
-    saved_globals, saved_local = comm.bcast(saved)  # rank 0's
-    with pytest.warns(RuntimeWarning, match=f"resuming at world size {size} from a "
-                                            f"checkpoint taken at {size // 2}: each rank starts "
-                                            "from the mean"):
-        resumed = adam_run(4, checkpoint_at=4, directory=directory)  # loads, takes no step
-    assert torch.equal(flat(resumed.globals), saved_globals)
-    assert torch.equal(flat(resumed.model.parameters()), saved_local)
-    assert resumed.step_in_period == 1
-    for step in (4, 5):  # the period's last two steps: its outer step follows step 5
-        inner_step(resumed.model, resumed.optimizer, step)
-    assert resumed.outer_steps == 2 and resumed.step_in_period == 0
-    assert len(set(digests(resumed.model.parameters()))) == 1
-    assert not torch.equal(flat(resumed.globals), saved_globals)
+    with shared_directory() as directory:
+        first, saved = comm.Split(0 if rank < size // 2 else MPI.UNDEFINED, rank), None
+        if first != MPI.COMM_NULL:
+            half = adam_run(7, checkpoint_at=4, world=first)
+            save_checkpoint(directory / "ckpt", model=half.model, optimizer=half.optimizer,
+                            sync=half, step=4, epoch=0)
+            saved = flat(half.globals), flat(half.model.parameters())
+            first.Free()
+        saved_globals, saved_local = comm.bcast(saved)  # rank 0's
+        resized = (f"resuming at world size {size} from a checkpoint taken at {size // 2}: "
+                   "each rank starts from the mean")
+        with pytest.warns(RuntimeWarning, match=resized):
+            resumed = adam_run(4, checkpoint_at=4, directory=directory)  # loads, takes no step
+        assert torch.equal(flat(resumed.globals), saved_globals)
+        assert torch.equal(flat(resumed.model.parameters()), saved_local)
+        assert resumed.step_in_period == 1
+        for step in (4, 5):  # the period's last two steps: its outer step follows step 5
+            inner_step(resumed.model, resumed.optimizer, step)
+        assert resumed.outer_steps == 2 and resumed.step_in_period == 0
+        assert len(set(digests(resumed.model.parameters()))) == 1
+        assert not torch.equal(flat(resumed.globals), saved_globals)
+
 
 
 def test_pickles_without_its_communicator():
