@@ -26,8 +26,10 @@ REQUIRED = {"python", "numpy", "mpi4py", "mpi_library", "mpirun"}
 
 
 def fresh_env(**extra):
-    """The environment of a fresh shell: the venv's bin off PATH, no launcher chosen."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACMPI_")}
+    """The environment of a fresh shell: the venv's bin off PATH, no launcher chosen, and no
+    terminal size (pytest-xdist's workers export COLUMNS=80 and LINES=24)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PACMPI_") and k not in ("COLUMNS", "LINES")}
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
                                   if d != VENV_BIN)
     env.update(extra)
