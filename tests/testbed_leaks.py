@@ -1,13 +1,13 @@
 """What the shaped test beds could leave on this host, counted before and after the whole session.
 
-The session hooks (imported by conftest.py) first remove what crashed earlier runs left
-(namespaces whose owner pid is dead, see ``pacmpi.launch._namespaces``), then count the test
-beds' network namespaces, all network namespaces on the host (named, or only held by a process:
-a name removed while ranks still ran in it) and the veth and ifb devices in every one of them.
-After the last test they count again; anything more fails the run (exit status 1) and names what
-was left. Under pytest-xdist the controller counts, before its workers start and after they have
-all ended, so one worker's beds are never another's leak. Where namespaces cannot be made (not
-root, no iproute2) there is nothing to count and the check does nothing.
+The session fixture :func:`testbed_leak_check` (autouse, imported by conftest.py) first removes
+what crashed earlier runs left (namespaces whose owner pid is dead, see
+``pacmpi.launch._namespaces``), then counts the test beds' network namespaces, all network
+namespaces on the host (named, or only held by a process: a name removed while ranks still ran
+in it) and the veth and ifb devices in every one of them. After the last test it counts again;
+anything more is an error at the last test's teardown, which fails the run and names what was
+left. Where namespaces cannot be made (not root, no iproute2) there is nothing to count and the
+check does nothing.
 
 Left out: test beds of concurrent runs (their owner is alive and not this session's process
 or one of its descendants), which come and go on their own; and the ifb devices of the host's
@@ -26,7 +26,7 @@ from pacmpi.launch._namespaces import NETNS_DIR, owner, remove_stale
 
 from mpi_util import netns_skip_reason
 
-__all__ = ["bed_names", "snapshot", "leaks", "pytest_sessionstart", "pytest_sessionfinish"]
+__all__ = ["snapshot", "leaks", "testbed_leak_check"]
 
 PREFIX = "pacmpi-"
 KINDS = ("veth", "ifb")
@@ -61,13 +61,6 @@ def _this_session():
 def _concurrent(name, session):
     pid = owner(name)
     return pid is not None and pid not in session and Path(f"/proc/{pid}").exists()
-
-
-def bed_names():
-    """The network namespaces on this host less the test beds of concurrent runs (another pytest
-    worker's, say): what a test may compare before and after its own beds come and go."""
-    session = _this_session()
-    return {path.name for path in NETNS_DIR.glob("*") if not _concurrent(path.name, session)}
 
 
 def _devices(path, host):
@@ -110,34 +103,19 @@ def leaks(before, after):
     return found
 
 
-_BEFORE = pytest.StashKey[dict]()
-
-
-def _checks(config):
-    """Whether this process checks: a plain run, or xdist's controller (not its workers)."""
-    return not hasattr(config, "workerinput") and netns_skip_reason() is None
-
-
-def pytest_sessionstart(session):
-    """Remove what crashed runs left, then count what is there before the first test."""
-    if _checks(session.config):
-        remove_stale()
-        session.config.stash[_BEFORE] = snapshot()
-
-
-@pytest.hookimpl(trylast=True)  # after xdist has ended its workers
-def pytest_sessionfinish(session):
-    """Fail the session if it left anything itself, naming what."""
-    before = session.config.stash.get(_BEFORE, None)
-    if before is None:
+@pytest.fixture(scope="session", autouse=True)
+def testbed_leak_check():
+    """Remove what crashed runs left, then fail the session if it leaves anything itself."""
+    if netns_skip_reason() is not None:
+        yield
         return
+    remove_stale()
+    before = snapshot()
+    yield
     deadline = time.monotonic() + _SETTLE_S
     while leaks(before, snapshot()) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = leaks(before, snapshot())
-    if left:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        reporter.write_line("")
-        reporter.write_line(f"the test session left test-bed resources behind: {'; '.join(left)};"
-                            f" before: {before}; after: {snapshot()}", red=True, bold=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    assert not left, (f"the test session left test-bed resources behind: {'; '.join(left)}; "
+                      f"before: {before}; after: {snapshot()}")
+
