@@ -360,7 +360,6 @@ def test_a_checkpoint_resumes_at_another_world_size():
         assert not torch.equal(flat(resumed.globals), saved_globals)
 
 
-
 def test_pickles_without_its_communicator():
     outer = adam_run(4)
     copy = pickle.loads(pickle.dumps(outer))  # an MPI communicator would not pickle
