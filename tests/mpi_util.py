@@ -3,7 +3,8 @@ timeout, so a hang fails fast.
 
 A scenario module (``tests/mpi_scripts/*_scenarios.py``) is a plain module of ``test_*``
 functions that every rank runs with pytest (``scenario_runner.py``); ``run_scenarios`` launches
-it once per rank count and ``ScenarioRun.check`` reports each scenario on its own.
+it once per rank count (with the other modules of ``SHARED_LAUNCHES``, in one launch) and
+``ScenarioRun.check`` reports each scenario on its own.
 """
 import ast
 import functools
@@ -21,9 +22,10 @@ import pytest
 
 from pacmpi.launch.mpi import remove_session_dirs
 
-__all__ = ["MPI_SCRIPTS", "SUITE_ENV", "ScenarioRun", "mpirun_argv", "netns_skip_reason",
-           "run_bounded", "run_horovod_gloo", "run_mpi", "run_scenarios", "scenario_cases",
-           "scenario_names", "scenario_run"]
+__all__ = ["MPI_SCRIPTS", "SHARED_LAUNCHES", "SHARED_TIMEOUT", "SUITE_ENV", "ScenarioRun",
+           "mpirun_argv", "netns_skip_reason", "run_bounded", "run_horovod_gloo", "run_mpi",
+           "run_scenarios", "scenario_cases", "scenario_names", "scenario_run",
+           "shared_launches"]
 
 # Set for the whole test session (conftest.py). Open MPI's libfabric transport (btl ofi) spends
 # about a second of every MPI_Init probing this host's fabric providers, and one host never uses
@@ -147,6 +149,39 @@ def run_horovod_gloo(script, n, *args, timeout=120, env=None):
 
 
 # ------------------------------------------------------------------------ scenario modules
+# Scenario modules that share one launch per rank count: every rank of a launch spends about
+# 6 s of CPU on its imports (torch; torch._dynamo, which the first optimizer imports; Numba)
+# before its first scenario, and the suite's ranks share 2 cores, so one launch for several
+# modules instead of one each saves about a minute at 4 ranks. A module belongs to a group when
+# it needs no environment of its own and leaves the process fit for the next: the torchrun
+# modules join one default process group (mpi_scripts/torch_world.py), Horovod's modules one
+# hvd.init() (a second call does nothing), whose background thread the mpi4py modules are
+# spared. Each module maps a rank count to the scenarios it runs there (None: all); its test
+# file takes them from here (``shared_launches``).
+SHARED_LAUNCHES = (
+    ("mpirun", {module: {2: None, 4: None} for module in (
+        "baselines_scenarios.py", "core_scenarios.py", "device_scenarios.py",
+        "outer_scenarios.py", "recipe_scenarios.py", "sharded_scenarios.py",
+        "sync_scenarios.py")}),
+    ("mpirun", {
+        "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
+                                           "test_mismatch")},
+        "hvd_sharded_scenarios.py": {2: None, 4: None},
+    }),
+    ("torchrun", {
+        "amp_scenarios.py": {2: None, 4: None},
+        "bf16_scenarios.py": {2: None, 4: None},
+        "ddp_scenarios.py": {2: None, 4: ("test_match", "test_ternary", "test_unbiased",
+                                          "test_checkpoint", "test_errors", "test_mismatch")},
+        "sharded_ddp_scenarios.py": {2: None, 4: None},
+    }),
+)
+# A shared launch's bound (a hang fails within it), below the suite's 300 s per test: a test
+# that pytest-timeout stopped would leave the launch uncached, and every later scenario of it
+# would start it again.
+SHARED_TIMEOUT = 270
+
+
 def scenario_names(module):
     """The ``test_*`` functions of ``tests/mpi_scripts/<module>`` in file order, read without
     importing it: listing them needs neither MPI nor torch."""
@@ -167,18 +202,41 @@ def scenario_cases(module, launches):
             if only is None or test in only]
 
 
-class ScenarioRun:
-    """The per-rank outcomes of one launch of a scenario module."""
+def _shared_group(module, launcher):
+    """The modules launched with ``module`` under ``launcher`` (itself included), or {}."""
+    return next((group for name, group in SHARED_LAUNCHES
+                 if name == launcher and module in group), {})
 
-    def __init__(self, module, ranks, what, records, problem, output):
-        self.module, self.ranks, self.what = module, ranks, what
+
+def shared_launches(module, launcher="mpirun"):
+    """``{(ranks,): tests or None}`` of ``module``'s shared launches, for ``scenario_cases``."""
+    return {(ranks,): only for ranks, only in _shared_group(module, launcher)[module].items()}
+
+
+class ScenarioRun:
+    """The per-rank outcomes of one launch of one or more scenario modules, read for one of
+    them (``part``)."""
+
+    def __init__(self, modules, ranks, what, records, problem, output):
+        self.modules, self.ranks, self.what = tuple(modules), ranks, what
+        self.module = self.modules[0]
         self.records = records  # {rank: [record, ...]} as scenario_runner.py wrote them
         self.problem = problem  # why the launch itself failed, or None
         self.output = output
 
+    def part(self, module):
+        """The same outcomes, read for ``module``'s scenarios."""
+        if module not in self.modules:
+            raise ValueError(f"{module} was not run by this launch ({', '.join(self.modules)})")
+        part = ScenarioRun(self.modules, self.ranks, self.what, self.records, self.problem,
+                           self.output)
+        part.module = module
+        return part
+
     def _status(self, rank, test):
         """``("passed" | "skipped" | "failed" | "missing", text)`` of ``test`` on ``rank``."""
-        phases = [r for r in self.records.get(rank, []) if r.get("test") == test]
+        phases = [r for r in self.records.get(rank, [])
+                  if r.get("module") == self.module and r.get("test") == test]
         failed = [f"({r['event']}) {r['text']}" for r in phases if r["outcome"] == "failed"]
         if failed:
             return "failed", "\n".join(failed)
@@ -188,6 +246,12 @@ class ScenarioRun:
         if any(r["event"] == "call" for r in phases):
             return "passed", ""
         return "missing", ""
+
+    def _went_on(self, rank):
+        """Whether ``rank`` reported a scenario of a later module: what ended the launch badly
+        came after this module's scenarios."""
+        later = self.modules[self.modules.index(self.module) + 1:]
+        return any(r.get("module") in later for r in self.records.get(rank, []))
 
     def _launch_report(self):
         collected = {rank: next((r["tests"] for r in records if r["event"] == "collected"),
@@ -203,32 +267,35 @@ class ScenarioRun:
 
     def check(self, test):
         """Pass if every rank passed ``test`` (skip if every rank skipped it) and the launch
-        ended well; fail otherwise, naming the scenario, the ranks and their tracebacks, and
-        for a launch that failed, how it ended and its output."""
+        ended well, or went on to a later module on every rank; fail otherwise, naming the
+        scenario, the ranks and their tracebacks, and for a launch that failed, how it ended
+        and its output."""
         status = {rank: self._status(rank, test) for rank in range(self.ranks)}
         by = {kind: sorted(r for r, (k, _) in status.items() if k == kind)
               for kind in ("passed", "skipped", "failed", "missing")}
-        if len(by["passed"]) == self.ranks and self.problem is None:
+        ended_well = self.problem is None or all(map(self._went_on, range(self.ranks)))
+        if len(by["passed"]) == self.ranks and ended_well:
             return
-        if len(by["skipped"]) == self.ranks and self.problem is None:
+        if len(by["skipped"]) == self.ranks and ended_well:
             pytest.skip(status[0][1])
         header = (f"scenario {self.module}::{test} on {self.ranks} ranks ({self.what}): "
                   f"passed on ranks {by['passed']}, failed on {by['failed']}, skipped on "
                   f"{by['skipped']}, not reported by {by['missing']}")
         details = [f"--- rank {rank} ---\n{status[rank][1]}" for rank in by["failed"]]
-        if by["missing"] or self.problem:
+        if by["missing"] or not ended_well:
             details.append(self._launch_report())
         pytest.fail("\n".join([header, *details]), pytrace=False)
 
 
-def scenario_run(module, ranks, wrap, *, only=None, timeout, env=None, what):
-    """Launch ``tests/mpi_scripts/<module>``'s scenarios (all, or those named in ``only``) on
-    ``ranks`` ranks: ``wrap(command)`` returns the argv that starts ``command`` on every rank.
-    A launch that crashes or times out keeps the outcomes reported before it."""
-    names = [name for name in scenario_names(module) if only is None or name in only]
-    path = _script_path(module)
+def scenario_run(modules, ranks, wrap, *, timeout, env=None, what):
+    """Launch the scenarios of ``modules`` (``{module: tests or None}``, a module's tests or
+    all of them; modules run in this order) on ``ranks`` ranks: ``wrap(command)`` returns the
+    argv that starts ``command`` on every rank. A launch that crashes or times out keeps the
+    outcomes reported before it."""
+    targets = [f"{_script_path(module)}::{name}" for module, only in modules.items()
+               for name in scenario_names(module) if only is None or name in only]
     with tempfile.TemporaryDirectory(prefix="pacmpi-scenarios-") as report_dir:
-        command = [sys.executable, str(RUNNER), report_dir, *(f"{path}::{n}" for n in names)]
+        command = [sys.executable, str(RUNNER), report_dir, *targets]
         returncode, stdout, stderr = _communicate(wrap(command), timeout, _environment(env))
         records = {}
         for file in Path(report_dir).glob("rank*.jsonl"):
@@ -237,19 +304,35 @@ def scenario_run(module, ranks, wrap, *, only=None, timeout, env=None, what):
     problem = (f"the launch did not finish within {timeout}s (hang?)" if returncode is None
                else f"the launch exited with status {returncode}" if returncode not in (0, 1)
                else None)  # 1: pytest's "some tests failed", reported per test
-    return ScenarioRun(module, ranks, what, records, problem,
+    return ScenarioRun(modules, ranks, what, records, problem,
                        f"stdout:\n{stdout}\nstderr:\n{stderr}")
 
 
 @functools.cache
+def _launch(modules, ranks, launcher, timeout, env):
+    """``scenario_run`` of ``modules`` (``((module, tests or None), ...)``) under
+    ``launcher``, once per distinct call in a session."""
+    others = [module for module, _ in modules[1:]]
+    what = f"{launcher} -n {ranks}" + (f", shared with {', '.join(others)}" if others else "")
+    return scenario_run(dict(modules), ranks,
+                        lambda command: LAUNCHERS[launcher](ranks) + command, timeout=timeout,
+                        env={**LAUNCHER_ENV.get(launcher, {}), **dict(env)}, what=what)
+
+
 def run_scenarios(module, ranks, launcher="mpirun", only=None, timeout=240, env=()):
-    """``scenario_run`` under ``launcher`` (``mpirun``, ``torchrun`` or ``horovodrun``), once
-    per distinct call in a session: one launch serves all the scenarios it runs. ``only`` is a
-    tuple of test names, ``env`` a tuple of ``(name, value)`` pairs (both hashable)."""
-    return scenario_run(module, ranks, lambda command: LAUNCHERS[launcher](ranks) + command,
-                        only=only, timeout=timeout,
-                        env={**LAUNCHER_ENV.get(launcher, {}), **dict(env)},
-                        what=f"{launcher} -n {ranks}")
+    """``module``'s scenarios (all, or the tuple of names ``only``) on ``ranks`` ranks under
+    ``launcher`` (``mpirun``, ``torchrun`` or ``horovodrun``), launched once per distinct call
+    in a session: one launch serves all the scenarios it runs. A module of ``SHARED_LAUNCHES``
+    called without ``env`` (a tuple of ``(name, value)`` pairs) runs in its shared launch,
+    bounded by ``SHARED_TIMEOUT`` instead of ``timeout``."""
+    shared = _shared_group(module, launcher)
+    if ranks in shared.get(module, {}) and not env:
+        if only != shared[module][ranks]:
+            raise ValueError(f"{module} on {ranks} ranks shares a launch that runs "
+                             f"{shared[module][ranks] or 'all its scenarios'}, not {only}")
+        members = tuple((name, tests[ranks]) for name, tests in shared.items() if ranks in tests)
+        return _launch(members, ranks, launcher, SHARED_TIMEOUT, ()).part(module)
+    return _launch(((module, only),), ranks, launcher, timeout, env)
 
 
 def netns_skip_reason():

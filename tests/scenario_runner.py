@@ -3,6 +3,8 @@
 Usage (on every rank, under mpirun, torchrun or horovodrun):
     python tests/scenario_runner.py REPORT_DIR PYTEST_ARGS...
 
+PYTEST_ARGS name the tests, of one module or of several run in turn in one process.
+
 Every rank runs the same tests in the same order, so their collectives stay matched, and
 appends one JSON line per test phase to ``REPORT_DIR/rank<r>.jsonl`` as soon as the phase
 ends: a job that crashes or hangs later still reports what finished before. The outer test
@@ -42,10 +44,13 @@ class RankReport:
             self.write(event="collect", outcome="failed", text=report.longreprtext)
 
     def pytest_collection_finish(self, session):
-        self.write(event="collected", tests=[item.name for item in session.items])
+        self.write(event="collected", tests=[item.nodeid for item in session.items])
 
     def pytest_runtest_logreport(self, report):
-        self.write(event=report.when, test=report.nodeid.rpartition("::")[2],
+        # A launch may run several modules (mpi_util.SHARED_LAUNCHES), whose tests may share
+        # a name: each outcome names its module too.
+        path, _, test = report.nodeid.rpartition("::")
+        self.write(event=report.when, module=Path(path).name, test=test,
                    outcome=report.outcome, text=report.longreprtext if not report.passed else "")
 
     def pytest_sessionfinish(self, exitstatus):

@@ -14,7 +14,12 @@ from pacmpi.experiments.baselines import (
 )
 from pacmpi.experiments.models import DigitsCNN
 
-from mpi_util import run_scenarios, scenario_cases  # tests/ is put on sys.path by conftest.py
+from mpi_util import (  # tests/ is put on sys.path by conftest.py
+    SHARED_TIMEOUT,
+    run_scenarios,
+    scenario_cases,
+    shared_launches,
+)
 
 MODULE = "baselines_scenarios.py"
 
@@ -65,6 +70,7 @@ def test_dgc_keeps_at_least_one_value_per_layer():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, {(2,): None, (4,): None}))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, shared_launches(MODULE)))
 def test_baseline_invariants_under_mpi(ranks, scenario):
-    run_scenarios(MODULE, ranks, timeout=180).check(scenario)
+    run_scenarios(MODULE, ranks).check(scenario)

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from mpi_util import run_scenarios, scenario_cases
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_cases, shared_launches
 
 pytest.importorskip("torch.distributed")
 pytest.importorskip("ml_dtypes")
@@ -22,12 +22,12 @@ TIMEOUT = 150  # generous: ranks share 2 cores; a hang still fails
 MODULES = ("bf16_scenarios.py", "amp_scenarios.py")
 
 
-@pytest.mark.timeout(2 * TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("module, ranks, scenario", [
-    case for module in MODULES for case in scenario_cases(module, {(module, 2): None,
-                                                                   (module, 4): None})])
+    case for module in MODULES for case in scenario_cases(module, {
+        (module, *key): only for key, only in shared_launches(module, "torchrun").items()})])
 def test_bf16_scenario(module, ranks, scenario):
-    run_scenarios(module, ranks, "torchrun", timeout=2 * TIMEOUT).check(scenario)
+    run_scenarios(module, ranks, "torchrun").check(scenario)
 
 
 @pytest.mark.skipif("PACMPI_TEST_DEVICE" not in os.environ,

@@ -29,26 +29,23 @@ import sys
 
 import pytest
 
-from mpi_util import run_scenarios, scenario_cases, scenario_names
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_cases, scenario_names, shared_launches
 
 pytest.importorskip("torch.distributed")
 
 MODULE = "ddp_scenarios.py"
 TIMEOUT = 150  # generous: ranks share 2 cores; a hang still fails
-FOUR_RANKS = ("test_match", "test_ternary", "test_unbiased", "test_checkpoint", "test_errors",
-              "test_mismatch")
-LAUNCHES = {(2,): None, (4,): FOUR_RANKS}
+LAUNCHES = shared_launches(MODULE, "torchrun")  # at 4 ranks, the scenarios that need more than 2
 
 
 def output(result):
     return f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
-@pytest.mark.timeout(2 * TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, LAUNCHES))
 def test_ddp_scenario(ranks, scenario):
-    run_scenarios(MODULE, ranks, "torchrun", only=LAUNCHES[ranks,],
-                  timeout=2 * TIMEOUT).check(scenario)
+    run_scenarios(MODULE, ranks, "torchrun", only=LAUNCHES[ranks,]).check(scenario)
 
 
 @pytest.fixture(scope="module")

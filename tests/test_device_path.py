@@ -21,16 +21,15 @@ from pacmpi.arrays import array_module, is_device_array, synchronize, to_host
 
 import host_cuda
 import host_cupy
-from mpi_util import run_scenarios, scenario_cases
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_cases, shared_launches
 
 MODULE = "device_scenarios.py"
-TIMEOUT = 120  # generous: ranks share 2 cores; a hang still fails
 
 
-@pytest.mark.timeout(2 * TIMEOUT)  # the first scenario of a launch waits for all of it
-@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, {(2,): None, (4,): None}))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, shared_launches(MODULE)))
 def test_device_scenario(ranks, scenario):
-    run_scenarios(MODULE, ranks, timeout=TIMEOUT).check(scenario)
+    run_scenarios(MODULE, ranks).check(scenario)
 
 
 # ------------------------------------------------------------------ the stand-in

@@ -52,10 +52,10 @@ def testbed_run():
 
     with NodeTestbed(2, "1gbit") as bed:
         return scenario_run(
-            MODULE, 4, lambda command: bed.mpirun_command(
+            {MODULE: TESTBED}, 4, lambda command: bed.mpirun_command(
                 detect_mpi(), 4, command, tag_output=False,
                 env_forward=[f"{name}={value}" for name, value in per_node_env("default")]),
-            only=TESTBED, timeout=150, what="2 nodes x 2 ranks on the node test bed")
+            timeout=150, what="2 nodes x 2 ranks on the node test bed")
 
 
 @pytest.mark.mpi

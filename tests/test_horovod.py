@@ -2,7 +2,8 @@
 4 ranks.
 
 Each scenario of tests/mpi_scripts/hvd_compressor.py is reported on its own; one launch per
-controller and rank count runs them (a launch costs seconds): ``horovodrun --gloo`` (Gloo
+controller and rank count runs them (a launch costs seconds; mpirun's is shared with other
+Horovod modules): ``horovodrun --gloo`` (Gloo
 controller) and plain ``mpirun`` (``hvd.init()`` picks the MPI controller). A hang fails what
 the launch had not reported at its timeout.
 
@@ -25,16 +26,19 @@ and 4 ranks.
 """
 import pytest
 
-from mpi_util import run_scenarios, scenario_cases
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_cases, shared_launches
 
 pytest.importorskip("horovod.torch")
 
 MODULE = "hvd_compressor.py"
 TIMEOUT = 180  # generous: ranks share 2 cores; a hang still fails
-FOUR_RANKS = ("test_ternary", "test_reducer", "test_bf16", "test_mismatch")
-LAUNCHES = {("horovodrun", 2): None, ("mpirun", 2): None, ("mpirun", 4): FOUR_RANKS}
+# mpirun's launches are shared with the sharded optimizer's Horovod scenarios; at 4 ranks, the
+# scenarios that need more than 2.
+LAUNCHES = {("horovodrun", 2): None, **{("mpirun", *key): only for key, only
+                                        in shared_launches(MODULE).items()}}
 
 
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("launcher, ranks, scenario", scenario_cases(MODULE, LAUNCHES))
 def test_horovod_scenario(launcher, ranks, scenario):
     run_scenarios(MODULE, ranks, launcher, only=LAUNCHES[launcher, ranks],

@@ -1,5 +1,5 @@
 """OuterSync (pacmpi.adapters.outer): its memory and argument checks on one rank, and the
-multi-rank scenarios of tests/mpi_scripts/outer_scenarios.py at 2 and 4 ranks, one launch each."""
+multi-rank scenarios of tests/mpi_scripts/outer_scenarios.py at 2 and 4 ranks."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +9,14 @@ from pacmpi.adapters.pruning import prune
 from pacmpi.errors import RankInputError
 from pacmpi.experiments.models import DigitsCNN
 
-from mpi_util import run_scenarios, scenario_cases  # tests/ is on sys.path (conftest.py)
+from mpi_util import (  # tests/ is on sys.path (conftest.py)
+    SHARED_TIMEOUT,
+    run_scenarios,
+    scenario_cases,
+    shared_launches,
+)
+
+SCENARIOS = "outer_scenarios.py"
 
 
 def trained(period=2, steps=2, **outer):
@@ -65,9 +72,10 @@ def test_state_of_another_period_or_masks_is_refused():
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("ranks, scenario",
-                         scenario_cases("outer_scenarios.py", {(2,): None, (4,): None}))
+                         scenario_cases(SCENARIOS, shared_launches(SCENARIOS)))
 def test_outer_scenario(ranks, scenario):
     """period 1 == synchronous PacTrain, identical weights after outer steps, pruned state 0,
     bytes, ternary residuals, mask changes, buffers, bad input, checkpoints."""
-    run_scenarios("outer_scenarios.py", ranks, timeout=240).check(scenario)
+    run_scenarios(SCENARIOS, ranks).check(scenario)

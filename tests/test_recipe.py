@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 from pacmpi.adapters.pruning import named_prunable_parameters, prune
 from pacmpi.adapters.recipe import cubic_milestones, gradual_schedule, linear_weights
 
-from mpi_util import mpirun_argv, run_scenarios, scenario_cases  # tests/ is on sys.path
+from mpi_util import (  # tests/ is on sys.path
+    SHARED_TIMEOUT,
+    mpirun_argv,
+    run_scenarios,
+    scenario_cases,
+    shared_launches,
+)
+
+SCENARIOS = "recipe_scenarios.py"
 
 ratios = st.floats(0.0, 0.99)
 
@@ -164,11 +172,12 @@ def test_the_learning_rate_rewarms_after_each_move_of_the_mask():
 @pytest.mark.mpi
 @pytest.mark.skipif(mpirun_argv(1)[0] is None, reason="mpirun not installed")
 @pytest.mark.parametrize("ranks, scenario",
-                         scenario_cases("recipe_scenarios.py", {(2,): None, (4,): None}))
+                         scenario_cases(SCENARIOS, shared_launches(SCENARIOS)))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 def test_recipe_scenario(ranks, scenario):
     """Masks agree after every update, pruned weights and Adam state stay 0, dense steps only
     after updates; a schedule that skips the broadcast is caught; bad schedules raise."""
-    run_scenarios("recipe_scenarios.py", ranks, timeout=150).check(scenario)
+    run_scenarios(SCENARIOS, ranks).check(scenario)
 
 
 # ---------------------------------------------------------------- the benchmark's -gradual rows

@@ -1,14 +1,16 @@
 """The scenario runner (mpi_util.run_scenarios) reports every scenario of a launch on its own:
 a failure names its scenario, ranks and traceback and hides no other scenario; a rank that
-dies or hangs fails its launch's scenarios, with how the launch ended and its output."""
+dies or hangs fails its launch's scenarios, with how the launch ended and its output; in a
+launch of several modules, a scenario is its module's, and a rank that dies fails the scenarios
+it had not gone past."""
 import os
 from pathlib import Path
 
 import pytest
 
-from mpi_util import run_scenarios, scenario_names
+from mpi_util import ScenarioRun, mpirun_argv, run_scenarios, scenario_names, scenario_run
 
-MODULE = "control_scenarios.py"
+MODULE, LATER = "control_scenarios.py", "control_later_scenarios.py"
 FAILING, EXITING, HANGING = "test_fails_on_rank_1", "test_exits_on_rank_1", "test_hangs"
 
 
@@ -69,6 +71,33 @@ def test_a_launch_that_hangs_fails_what_it_did_not_report(launcher_tmpdir):
     # Nor did the killed launcher leave its session directory, where a later launcher with
     # its pid would fail to start (tests/test_launch.py shows how).
     assert not list(launcher_tmpdir.glob("ompi.*"))
+
+
+def shared(modules):
+    return scenario_run(modules, 2, lambda command: mpirun_argv(2) + command, timeout=120,
+                        what="mpirun -n 2")
+
+
+@pytest.mark.mpi
+def test_in_a_shared_launch_a_scenario_is_its_modules():
+    """The same name in two modules: the first module's fails on rank 1, the later one's
+    passes; each is read for its own module."""
+    run = shared({MODULE: ("test_passes", FAILING), LATER: (FAILING,)})
+    run.part(LATER).check(FAILING)
+    message = failure(run.part(MODULE), FAILING)
+    assert message.startswith(f"scenario {MODULE}::{FAILING} on 2 ranks (mpirun -n 2): "
+                              "passed on ranks [0], failed on [1]"), message
+    with pytest.raises(ValueError, match="control_scenarios.py was not run by this launch"):
+        ScenarioRun({LATER: None}, 2, "mpirun -n 2", {}, None, "").part(MODULE)
+
+
+@pytest.mark.mpi
+def test_in_a_shared_launch_a_rank_that_dies_fails_only_what_it_had_not_gone_past():
+    run = shared({MODULE: ("test_passes",), LATER: (FAILING, EXITING)})
+    run.part(MODULE).check("test_passes")  # every rank went on to the later module
+    for test in (FAILING, EXITING):  # the later module's: the job did not end well
+        message = failure(run.part(LATER), test)
+        assert "the launch exited with status 3" in message, message
 
 
 def _cmdline(pid):

@@ -15,12 +15,11 @@ from pacmpi.adapters.sharded import ShardedOptimizer
 from pacmpi.buckets import BucketLayout
 from pacmpi.sharded import ShardLayout, balanced_counts
 
-from mpi_util import run_scenarios, scenario_cases
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_cases, shared_launches
 
 MODULE = "sharded_scenarios.py"
 HOROVOD = "hvd_sharded_scenarios.py"
 DDP = "sharded_ddp_scenarios.py"
-RANKS = {(2,): None, (4,): None}
 
 
 def test_shard_layout_gathers_and_scatters_survivors_in_order():
@@ -105,17 +104,20 @@ def test_single_rank_equals_plain_adam_on_masked_gradients():
                          comm=MPI.COMM_SELF, lr=0.1)
 
 
-@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, RANKS))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, shared_launches(MODULE)))
 def test_sharded_scenario(ranks, scenario):
-    run_scenarios(MODULE, ranks, timeout=240).check(scenario)
+    run_scenarios(MODULE, ranks).check(scenario)
 
 
-@pytest.mark.parametrize("ranks, scenario", scenario_cases(DDP, RANKS))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(DDP, shared_launches(DDP, "torchrun")))
 def test_sharded_ddp_scenario(ranks, scenario):
-    run_scenarios(DDP, ranks, "torchrun", timeout=240).check(scenario)
+    run_scenarios(DDP, ranks, "torchrun").check(scenario)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="needs Horovod")
-@pytest.mark.parametrize("ranks, scenario", scenario_cases(HOROVOD, RANKS))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(HOROVOD, shared_launches(HOROVOD)))
 def test_horovod_sharded_scenario(ranks, scenario):
-    run_scenarios(HOROVOD, ranks, timeout=180).check(scenario)
+    run_scenarios(HOROVOD, ranks).check(scenario)

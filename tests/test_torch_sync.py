@@ -10,9 +10,11 @@ from pacmpi.experiments.baselines import TopKSync
 from pacmpi.experiments.models import DigitsCNN
 
 from mpi_util import (  # tests/ is on sys.path (conftest.py)
+    SHARED_TIMEOUT,
     run_scenarios,
     scenario_cases,
     scenario_names,
+    shared_launches,
 )
 
 
@@ -83,10 +85,11 @@ def test_topk_rejects_bad_ratio():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks, scenario",
-                         scenario_cases("sync_scenarios.py", {(2,): None, (4,): None}))
+                         scenario_cases("sync_scenarios.py", shared_launches("sync_scenarios.py")))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 def test_sync_scenario(ranks, scenario):
     """Identical weights, pactrain == dense, zero pruned weights, unused params, gradual."""
-    run_scenarios("sync_scenarios.py", ranks, timeout=150).check(scenario)
+    run_scenarios("sync_scenarios.py", ranks).check(scenario)
 
 
 CHECKPOINTS = "sync_checkpoint_scenarios.py"

@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
 
-dist.init_process_group("gloo")
-RANK, SIZE = dist.get_rank(), dist.get_world_size()
-torch.set_num_threads(1)
+import torch_world
+
+RANK, SIZE = torch_world.join()
 TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(9))
 POISONED = (SIZE - 1, 2)  # (rank, step) whose gradient gets an Inf
 

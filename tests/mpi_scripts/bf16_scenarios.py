@@ -23,12 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
 from pacmpi.adapters.pruning import MaskEnforcer
 
+import torch_world
 from bf16_reference import MixedBF16, in_some_order
 
 DEVICE = torch.device(os.environ.get("PACMPI_TEST_DEVICE", "cpu"))
-dist.init_process_group(os.environ.get("PACMPI_TEST_BACKEND", "gloo"))
-RANK, SIZE = dist.get_rank(), dist.get_world_size()
-torch.set_num_threads(1)
+RANK, SIZE = torch_world.join(os.environ.get("PACMPI_TEST_BACKEND", "gloo"))
 if DEVICE.type == "cuda":
     torch.cuda.set_device(RANK % torch.cuda.device_count())
 SMALL = {"bucket_cap_mb": 0.0005}  # a few DDP buckets once they are rebuilt

@@ -26,14 +26,13 @@ from pacmpi import LayoutMismatchError, MaskMismatchError, RankInputError
 from pacmpi.adapters.ddp import PacTrainHookState, TorchDistCollectives, pactrain_hook
 from pacmpi.adapters.pruning import MaskEnforcer, masks_from_torch_prune
 
+import torch_world
 from mismatch_checks import assert_stopped_at_step_2, expect_raise
 
 LR = 2.0 ** -6
 SMALL = {"bucket_cap_mb": 0.0002}  # ~200 bytes: several buckets once DDP rebuilds them
 
-dist.init_process_group("gloo")
-RANK, SIZE = dist.get_rank(), dist.get_world_size()
-torch.set_num_threads(1)
+RANK, SIZE = torch_world.join()
 
 
 class Net(nn.Module):

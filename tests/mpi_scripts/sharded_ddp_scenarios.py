@@ -24,11 +24,10 @@ from pacmpi.adapters.ddp import PacTrainHookState, pactrain_hook
 from pacmpi.adapters.sharded import ShardedOptimizer, sharded_hook
 from pacmpi.adapters.torch_collectives import TorchDistCollectives
 
+import torch_world
 from mismatch_checks import expect_raise
 
-dist.init_process_group("gloo")
-RANK, SIZE = dist.get_rank(), dist.get_world_size()
-torch.set_num_threads(1)
+RANK, SIZE = torch_world.join()
 SMALL = {"bucket_cap_mb": 0.0002}  # ~200 bytes: several buckets once DDP rebuilds them
 STEPS = 4
 
