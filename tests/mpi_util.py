@@ -7,6 +7,7 @@ it once per rank count (with the other modules of ``SHARED_LAUNCHES``, in one la
 ``ScenarioRun.check`` reports each scenario on its own.
 """
 import ast
+import atexit
 import functools
 import json
 import os
@@ -157,12 +158,15 @@ def run_horovod_gloo(script, n, *args, timeout=120, env=None):
 # modules join one default process group (mpi_scripts/torch_world.py), Horovod's modules one
 # hvd.init() (a second call does nothing), whose background thread the mpi4py modules are
 # spared. Each module maps a rank count to the scenarios it runs there (None: all); its test
-# file takes them from here (``shared_launches``).
+# file takes them from here (``shared_launches``). The modules of a launch share one scratch
+# folder, $PACMPI_TEST_WORKDIR, for the session (the training jobs' pretrained models).
 SHARED_LAUNCHES = (
-    ("mpirun", {module: {2: None, 4: None} for module in (
+    ("mpirun", {**{module: {2: None, 4: None} for module in (
         "baselines_scenarios.py", "core_scenarios.py", "device_scenarios.py",
         "outer_scenarios.py", "recipe_scenarios.py", "sharded_scenarios.py",
-        "sync_scenarios.py")}),
+        "sync_scenarios.py")}, **{module: {2: None} for module in (
+            "outer_train_scenarios.py", "train_baselines_scenarios.py",
+            "train_e2e_scenarios.py")}}),
     ("mpirun", {
         "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
                                            "test_mismatch")},
@@ -206,6 +210,13 @@ def _shared_group(module, launcher):
     """The modules launched with ``module`` under ``launcher`` (itself included), or {}."""
     return next((group for name, group in SHARED_LAUNCHES
                  if name == launcher and module in group), {})
+
+
+@functools.cache
+def _shared_workdir():
+    path = tempfile.mkdtemp(prefix="pacmpi-shared-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def shared_launches(module, launcher="mpirun"):
@@ -322,16 +333,18 @@ def _launch(modules, ranks, launcher, timeout, env):
 def run_scenarios(module, ranks, launcher="mpirun", only=None, timeout=240, env=()):
     """``module``'s scenarios (all, or the tuple of names ``only``) on ``ranks`` ranks under
     ``launcher`` (``mpirun``, ``torchrun`` or ``horovodrun``), launched once per distinct call
-    in a session: one launch serves all the scenarios it runs. A module of ``SHARED_LAUNCHES``
-    called without ``env`` (a tuple of ``(name, value)`` pairs) runs in its shared launch,
-    bounded by ``SHARED_TIMEOUT`` instead of ``timeout``."""
+    in a session: one launch serves all the scenarios it runs. ``env`` is a tuple of ``(name,
+    value)`` pairs. A module of ``SHARED_LAUNCHES`` runs in its shared launch, bounded by
+    ``SHARED_TIMEOUT`` instead of ``timeout``, with the group's environment only."""
     shared = _shared_group(module, launcher)
-    if ranks in shared.get(module, {}) and not env:
-        if only != shared[module][ranks]:
+    if ranks in shared.get(module, {}):
+        if only != shared[module][ranks] or env:
             raise ValueError(f"{module} on {ranks} ranks shares a launch that runs "
-                             f"{shared[module][ranks] or 'all its scenarios'}, not {only}")
+                             f"{shared[module][ranks] or 'all its scenarios'} without an "
+                             f"environment of its own, not {only} with {env}")
         members = tuple((name, tests[ranks]) for name, tests in shared.items() if ranks in tests)
-        return _launch(members, ranks, launcher, SHARED_TIMEOUT, ()).part(module)
+        return _launch(members, ranks, launcher, SHARED_TIMEOUT,
+                       (("PACMPI_TEST_WORKDIR", _shared_workdir()),)).part(module)
     return _launch(((module, only),), ranks, launcher, timeout, env)
 
 

@@ -121,7 +121,7 @@ def test_outer_steps_hold_only_what_trains_when_the_embeddings_are_frozen(tmp_pa
             "--method", "pactrain", "--prune-layers", "linear", "--ratio", "0.5",
             "--freeze-embeddings", "--outer-period", "2", "--optimizer", "adamw",
             "--lr", "5e-5", "--batch-size", "8", "--max-steps", "2", "--eval-every", "0",
-            "--no-progress", "--threads", "1", "--json", str(out)]
+            "--no-progress", "--json", str(out)]
     done = run_bounded(argv, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                        what="pacmpi train --freeze-embeddings --outer-period 2")
     assert done.returncode == 0, done.stderr[-3000:]

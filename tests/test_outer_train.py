@@ -18,10 +18,9 @@ from pacmpi.experiments.bench_train import (
     warmup_steps,
 )
 
-from mpi_util import run_scenarios, scenario_names  # tests/ is on sys.path (conftest.py)
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_names  # tests/ is on sys.path
 
 SCENARIOS = "outer_train_scenarios.py"
-TIMEOUT = 240  # generous: ranks share 2 cores; a hang still fails
 
 
 @pytest.mark.parametrize("config, message", [
@@ -153,17 +152,11 @@ def test_the_ratio_sweep_takes_synchronous_runs_only():
     assert [p["label"] for p in sweep["points"]] == ["dense", "pactrain-0.8"]
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("outer-train"))
-
-
 @pytest.mark.mpi
-@pytest.mark.timeout(TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("scenario", scenario_names(SCENARIOS))
-def test_outer_train_on_two_ranks(workdir, scenario):
+def test_outer_train_on_two_ranks(scenario):
     """Bytes on every H-th step only, PacTrain's fewer than dense's, torch's post-local SGD
     equal to a dense outer step of rate 1, a closing shorter period, evaluations of the
-    global weights, the same weights on every rank: one mpirun launch."""
-    run_scenarios(SCENARIOS, 2, timeout=TIMEOUT,
-                  env=(("PACMPI_TEST_WORKDIR", workdir),)).check(scenario)
+    global weights, the same weights on every rank: one (shared) mpirun launch."""
+    run_scenarios(SCENARIOS, 2).check(scenario)

@@ -5,17 +5,10 @@ import pytest
 
 from pacmpi.experiments import train
 
-from mpi_util import run_scenarios, scenario_names  # tests/ is put on sys.path by conftest.py
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_names  # tests/ is on sys.path
 
 E2E = "train_e2e_scenarios.py"
 BASELINES = "train_baselines_scenarios.py"
-TIMEOUT = 180  # generous: ranks share 2 cores; a hang still fails
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """Shared by the launches of this module: the pretrained model is cached there."""
-    return str(tmp_path_factory.mktemp("train-mpi"))
 
 
 def test_parse_gradual():
@@ -66,13 +59,12 @@ def test_horovod_backend_fails_clearly_without_horovod(monkeypatch):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(2 * TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("scenario", scenario_names(E2E))
-def test_train_end_to_end_on_two_ranks(workdir, scenario):
+def test_train_end_to_end_on_two_ranks(scenario):
     """Every method for one epoch (accuracy, equal weights on every rank, bytes per step),
     ``--json``, and a checkpointed run resumed bit for bit: one mpirun launch."""
-    run_scenarios(E2E, 2, timeout=2 * TIMEOUT,
-                  env=(("PACMPI_TEST_WORKDIR", workdir),)).check(scenario)
+    run_scenarios(E2E, 2).check(scenario)
 
 
 def test_watchdog_option_is_parsed_and_validated():
@@ -86,11 +78,10 @@ def test_watchdog_option_is_parsed_and_validated():
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("scenario", scenario_names(BASELINES))
-def test_baselines_error_feedback_and_bias_probe_on_two_ranks(workdir, scenario):
-    run_scenarios(BASELINES, 2, timeout=TIMEOUT,
-                  env=(("PACMPI_TEST_WORKDIR", workdir),)).check(scenario)
+def test_baselines_error_feedback_and_bias_probe_on_two_ranks(scenario):
+    run_scenarios(BASELINES, 2).check(scenario)
 
 
 def test_a_gradient_criterion_leaves_embedding_tables_to_magnitude():
