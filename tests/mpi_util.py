@@ -177,6 +177,7 @@ SHARED_LAUNCHES = (
         "bf16_scenarios.py": {2: None, 4: None},
         "ddp_scenarios.py": {2: None, 4: ("test_match", "test_ternary", "test_unbiased",
                                           "test_checkpoint", "test_errors", "test_mismatch")},
+        "ddp_train_scenarios.py": {2: None},
         "sharded_ddp_scenarios.py": {2: None, 4: None},
     }),
 )

@@ -48,17 +48,12 @@ def test_ddp_scenario(ranks, scenario):
     run_scenarios(MODULE, ranks, "torchrun", only=LAUNCHES[ranks,]).check(scenario)
 
 
-@pytest.fixture(scope="module")
-def train_workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("ddp-train"))
-
-
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("scenario", scenario_names("ddp_train_scenarios.py"))
-def test_train_job_under_torchrun(train_workdir, scenario):
+def test_train_job_under_torchrun(scenario):
     """``pacmpi train --backend ddp`` with every DDP method for 4 steps on 2 ranks: weights
     equal on every rank, and the bytes per step in the expected order."""
-    run_scenarios("ddp_train_scenarios.py", 2, "torchrun", timeout=TIMEOUT,
-                  env=(("PACMPI_TEST_WORKDIR", train_workdir),)).check(scenario)
+    run_scenarios("ddp_train_scenarios.py", 2, "torchrun").check(scenario)
 
 
 def test_train_backend_ddp_without_torchrun(tmp_path):
