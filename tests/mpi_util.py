@@ -179,6 +179,7 @@ SHARED_LAUNCHES = (
                                           "test_checkpoint", "test_errors", "test_mismatch")},
         "ddp_train_scenarios.py": {2: None},
         "sharded_ddp_scenarios.py": {2: None, 4: None},
+        "huggingface_scenarios.py": {2: None},  # last: Accelerate joins the group as it is
     }),
 )
 # A shared launch's bound (a hang fails within it), below the suite's 300 s per test: a test

@@ -15,20 +15,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpi_util import run_scenarios, scenario_cases
+from mpi_util import SHARED_TIMEOUT, run_scenarios, scenario_cases, shared_launches
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 MODULE = "huggingface_scenarios.py"
-TIMEOUT = 240  # ranks share 2 cores; a hang still fails
 
 
-@pytest.mark.timeout(TIMEOUT + 60)  # the first scenario waits for the whole launch
-@pytest.mark.parametrize("ranks, scenario", scenario_cases(MODULE, {(2,): None}))
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario waits for the whole launch
+@pytest.mark.parametrize("ranks, scenario",
+                         scenario_cases(MODULE, shared_launches(MODULE, "torchrun")))
 def test_huggingface_scenario(ranks, scenario):
-    run_scenarios(MODULE, ranks, "torchrun", timeout=TIMEOUT).check(scenario)
+    run_scenarios(MODULE, ranks, "torchrun").check(scenario)
 
 
 # ------------------------------------------------------------------ the callback in one process
