@@ -163,10 +163,15 @@ def run_horovod_gloo(script, n, *args, timeout=120, env=None):
 SHARED_LAUNCHES = (
     ("mpirun", {**{module: {2: None, 4: None} for module in (
         "baselines_scenarios.py", "core_scenarios.py", "device_scenarios.py",
-        "outer_scenarios.py", "recipe_scenarios.py", "sharded_scenarios.py",
-        "sync_scenarios.py")}, **{module: {2: None} for module in (
+        "outer_scenarios.py", "pruning_scenarios.py", "recipe_scenarios.py",
+        "sharded_scenarios.py", "sync_scenarios.py")}, **{module: {2: None} for module in (
             "outer_train_scenarios.py", "train_baselines_scenarios.py",
-            "train_e2e_scenarios.py")}}),
+            "train_e2e_scenarios.py")},
+        # two nodes of half the ranks each (its other splits need an environment of their own)
+        "hierarchical_scenarios.py": {
+            2: ("test_exact", "test_ternary", "test_mismatch", "test_bad_node_comm"),
+            4: ("test_exact", "test_ternary", "test_ternary_scales_per_tensor", "test_state",
+                "test_mismatch", "test_resync", "test_bad_node_comm")}}),
     ("mpirun", {
         "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
                                            "test_mismatch")},
@@ -336,14 +341,13 @@ def run_scenarios(module, ranks, launcher="mpirun", only=None, timeout=240, env=
     """``module``'s scenarios (all, or the tuple of names ``only``) on ``ranks`` ranks under
     ``launcher`` (``mpirun``, ``torchrun`` or ``horovodrun``), launched once per distinct call
     in a session: one launch serves all the scenarios it runs. ``env`` is a tuple of ``(name,
-    value)`` pairs. A module of ``SHARED_LAUNCHES`` runs in its shared launch, bounded by
-    ``SHARED_TIMEOUT`` instead of ``timeout``, with the group's environment only."""
+    value)`` pairs. A module of ``SHARED_LAUNCHES`` called without ``env`` runs in its shared
+    launch, bounded by ``SHARED_TIMEOUT`` instead of ``timeout``; with ``env``, in its own."""
     shared = _shared_group(module, launcher)
-    if ranks in shared.get(module, {}):
-        if only != shared[module][ranks] or env:
+    if ranks in shared.get(module, {}) and not env:
+        if only != shared[module][ranks]:
             raise ValueError(f"{module} on {ranks} ranks shares a launch that runs "
-                             f"{shared[module][ranks] or 'all its scenarios'} without an "
-                             f"environment of its own, not {only} with {env}")
+                             f"{shared[module][ranks] or 'all its scenarios'}, not {only}")
         members = tuple((name, tests[ranks]) for name, tests in shared.items() if ranks in tests)
         return _launch(members, ranks, launcher, SHARED_TIMEOUT,
                        (("PACMPI_TEST_WORKDIR", _shared_workdir()),)).part(module)

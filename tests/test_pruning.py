@@ -1,8 +1,6 @@
 """Tests for pacmpi.adapters.pruning: magnitude/GraSP pruning, GSE, torch.nn.utils.prune
 interop, gradual schedules and rank-consistent masks under mpirun."""
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -23,9 +21,16 @@ from pacmpi.adapters.pruning import (
 from pacmpi.experiments.data import iterate_minibatches, load_digits_split
 from pacmpi.experiments.models import DigitsCNN
 
-from mpi_util import mpirun_argv, run_mpi  # tests/ is put on sys.path by conftest.py
+from mpi_util import (  # tests/ is put on sys.path by conftest.py
+    SHARED_TIMEOUT,
+    mpirun_argv,
+    run_scenarios,
+    scenario_cases,
+    shared_launches,
+)
 
 pytestmark = pytest.mark.timeout(120)
+SCENARIOS = "pruning_scenarios.py"
 
 
 @pytest.fixture(scope="module")
@@ -482,11 +487,9 @@ def test_schedule_validates_method_and_scope():
 # ---------------------------------------------------------------- multi-rank consistency
 @pytest.mark.mpi
 @pytest.mark.skipif(mpirun_argv(1)[0] is None, reason="mpirun not installed")
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_grasp_masks_identical_across_ranks_with_different_data(ranks):
-    # The workers must import pacmpi exactly as this process does (editable install,
-    # PYTHONPATH or pytest's pythonpath setting alike); one thread per rank on few cores.
-    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    result = run_mpi("pruning_grasp_consistency.py", ranks, timeout=90, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
+@pytest.mark.parametrize("ranks, scenario", scenario_cases(SCENARIOS, shared_launches(SCENARIOS)))
+def test_grasp_masks_identical_across_ranks_with_different_data(ranks, scenario):
+    """GraSP on different per-rank batches, with ``comm``: identical masks (a local control
+    differs), rank 0's decision, exact ratio, zeros; a failure on rank 0 raises on every rank."""
+    run_scenarios(SCENARIOS, ranks).check(scenario)

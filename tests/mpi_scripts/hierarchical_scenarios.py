@@ -2,7 +2,8 @@
 order under mpirun (tests/test_hierarchical.py), and each is reported on its own.
 
 The environment variable PACMPI_TEST_RANKS_PER_NODE is a number (node communicator: COMM_WORLD
-split as rank // RANKS_PER_NODE) or ``default`` (the reducer finds the nodes itself).
+split as rank // RANKS_PER_NODE) or ``default`` (the reducer finds the nodes itself); unset (the
+shared launches of tests/mpi_util.py), two nodes of half the ranks each.
 """
 import math
 import os
@@ -26,7 +27,7 @@ from core_scenarios import (
 
 comm = MPI.COMM_WORLD
 rank, world = comm.Get_rank(), comm.Get_size()
-PER_NODE = os.environ["PACMPI_TEST_RANKS_PER_NODE"]
+PER_NODE = os.environ.get("PACMPI_TEST_RANKS_PER_NODE", str(max(1, world // 2)))
 NODE = None if PER_NODE == "default" else comm.Split(rank // int(PER_NODE), key=rank)
 
 

@@ -1,6 +1,6 @@
-"""MPI worker: GraSP on DIFFERENT per-rank batches, with ``comm``, gives identical masks.
-
-Run as ``mpirun -n N python pruning_grasp_consistency.py``. Every rank:
+"""GraSP on DIFFERENT per-rank batches, with ``comm``, gives identical masks: a scenario every
+rank runs under mpirun (tests/test_pruning.py, in the shared launches of tests/mpi_util.py).
+Every rank:
 
 1. prunes a copy of the same model locally (no ``comm``) -- negative control: with
    different data these masks must NOT all agree, otherwise the check below proves nothing;
@@ -8,10 +8,9 @@ Run as ``mpirun -n N python pruning_grasp_consistency.py``. Every rank:
    decision, have the exact ratio and leave pruned weights exactly zero;
 3. makes rank 0's scoring fail (empty data there) -- every rank must raise, none may hang.
 
-Rank 0 prints ``OK`` or the failures; every rank exits non-zero on failure.
+Rank 0 judges; every rank fails with its list of failures.
 """
 import copy
-import sys
 
 import torch
 from mpi4py import MPI
@@ -40,7 +39,7 @@ def failure_is_collective(comm, model, batches) -> bool:
     return False
 
 
-def main() -> int:
+def test_grasp_masks_identical_across_ranks_with_different_data():
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     torch.manual_seed(0)  # identical weights on every rank, as after the initial broadcast
@@ -71,9 +70,5 @@ def main() -> int:
         if not all(raised_all):
             bad = [r for r, ok in enumerate(raised_all) if not ok]
             failures.append(f"rank-0 failure did not raise on ranks {bad}")
-        print("OK" if not failures else "FAIL: " + "; ".join(failures), flush=True)
-    return comm.bcast(1 if failures else 0, root=0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    failures = comm.bcast(failures, root=0)
+    assert not failures, "; ".join(failures)
