@@ -26,7 +26,7 @@ from pacmpi.launch.mpi import remove_session_dirs
 __all__ = ["MPI_SCRIPTS", "SHARED_LAUNCHES", "SHARED_TIMEOUT", "SUITE_ENV", "ScenarioRun",
            "mpirun_argv", "netns_skip_reason", "run_bounded", "run_horovod_gloo", "run_mpi",
            "run_scenarios", "scenario_cases", "scenario_names", "scenario_run",
-           "shared_launches"]
+           "shared_launches", "shared_workdir"]
 
 # Set for the whole test session (conftest.py). Open MPI's libfabric transport (btl ofi) spends
 # about a second of every MPI_Init probing this host's fabric providers, and one host never uses
@@ -171,7 +171,8 @@ SHARED_LAUNCHES = (
         "hierarchical_scenarios.py": {
             2: ("test_exact", "test_ternary", "test_mismatch", "test_bad_node_comm"),
             4: ("test_exact", "test_ternary", "test_ternary_scales_per_tensor", "test_state",
-                "test_mismatch", "test_resync", "test_bad_node_comm")}}),
+                "test_mismatch", "test_resync", "test_bad_node_comm")},
+        "bench_masks_scenarios.py": {2: None, 4: None}}),
     ("mpirun", {
         "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
                                            "test_mismatch")},
@@ -220,7 +221,8 @@ def _shared_group(module, launcher):
 
 
 @functools.cache
-def _shared_workdir():
+def shared_workdir():
+    """$PACMPI_TEST_WORKDIR of the shared launches: one folder for the session."""
     path = tempfile.mkdtemp(prefix="pacmpi-shared-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
@@ -350,7 +352,7 @@ def run_scenarios(module, ranks, launcher="mpirun", only=None, timeout=240, env=
                              f"{shared[module][ranks] or 'all its scenarios'}, not {only}")
         members = tuple((name, tests[ranks]) for name, tests in shared.items() if ranks in tests)
         return _launch(members, ranks, launcher, SHARED_TIMEOUT,
-                       (("PACMPI_TEST_WORKDIR", _shared_workdir()),)).part(module)
+                       (("PACMPI_TEST_WORKDIR", shared_workdir()),)).part(module)
     return _launch(((module, only),), ranks, launcher, timeout, env)
 
 

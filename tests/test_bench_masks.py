@@ -1,6 +1,7 @@
 """``pacmpi bench masks``: identical masks under non-IID data, and every injected fault caught
 in the step it makes masks differ, on every rank, with nothing summed wrongly."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,9 @@ from pacmpi.experiments.bench_masks import (
     linear_milestones,
 )
 
-from mpi_util import run_mpi
+from mpi_util import SHARED_TIMEOUT, run_scenarios, shared_workdir
+
+SCENARIOS = "bench_masks_scenarios.py"
 
 
 def test_class_groups_are_disjoint_blocks_covering_every_class():
@@ -54,12 +57,11 @@ def test_caught_in_step_rejects_late_partial_and_spurious_detections():
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first scenario of a launch waits for all of it
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_short_run_masks_agree_and_every_fault_is_caught_in_its_step(ranks, tmp_path):
-    path = tmp_path / "masks.json"
-    result = run_mpi("bench_masks_short.py", ranks, path, timeout=150)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(path.read_text())
+def test_short_run_masks_agree_and_every_fault_is_caught_in_its_step(ranks):
+    run_scenarios(SCENARIOS, ranks).check("test_short_run")
+    report = json.loads((Path(shared_workdir()) / f"bench_masks_{ranks}.json").read_text())
     assert report["all_checks_held"]
 
     clean = report["baseline"]["summary"]
