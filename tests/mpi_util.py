@@ -172,7 +172,8 @@ SHARED_LAUNCHES = (
             2: ("test_exact", "test_ternary", "test_mismatch", "test_bad_node_comm"),
             4: ("test_exact", "test_ternary", "test_ternary_scales_per_tensor", "test_state",
                 "test_mismatch", "test_resync", "test_bad_node_comm")},
-        "bench_masks_scenarios.py": {2: None, 4: None}}),
+        "bench_masks_scenarios.py": {2: None, 4: None},
+        "bench_allreduce_scenarios.py": {2: None, 4: None}}),
     ("mpirun", {
         "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
                                            "test_mismatch")},
