@@ -173,11 +173,13 @@ SHARED_LAUNCHES = (
             4: ("test_exact", "test_ternary", "test_ternary_scales_per_tensor", "test_state",
                 "test_mismatch", "test_resync", "test_bad_node_comm")},
         "bench_masks_scenarios.py": {2: None, 4: None},
-        "bench_allreduce_scenarios.py": {2: None, 4: None}}),
+        "bench_allreduce_scenarios.py": {2: None, 4: None},
+        "readme_scenarios.py": {2: None}}),
     ("mpirun", {
         "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
                                            "test_mismatch")},
         "hvd_sharded_scenarios.py": {2: None, 4: None},
+        "readme_hvd_scenarios.py": {2: None},
     }),
     ("torchrun", {
         "amp_scenarios.py": {2: None, 4: None},
@@ -186,6 +188,7 @@ SHARED_LAUNCHES = (
                                           "test_checkpoint", "test_errors", "test_mismatch")},
         "ddp_train_scenarios.py": {2: None},
         "sharded_ddp_scenarios.py": {2: None, 4: None},
+        "readme_ddp_scenarios.py": {2: None},
         "huggingface_scenarios.py": {2: None},  # last: Accelerate joins the group as it is
     }),
 )
