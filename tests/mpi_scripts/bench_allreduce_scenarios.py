@@ -1,9 +1,9 @@
 """``pacmpi bench allreduce`` at small sizes, every method but PowerSGD (which needs a model's
 tensors); then the peers on a few tensors of a model's kinds, through the benchmark's own row
 function, with the shapes, buckets and knobs they ran: a scenario every rank runs
-(tests/test_cli_bench.py, in the shared launches of tests/mpi_util.py), writing both reports
-to $PACMPI_TEST_WORKDIR/bench_allreduce_<ranks>.json and ..._tensors_<ranks>.json for the
-outer test."""
+(tests/test_cli_bench.py, in the shared launches of tests/mpi_util.py), writing the reports
+to $PACMPI_TEST_WORKDIR/bench_allreduce_sizes_<ranks>.json and bench_allreduce_tensors_<ranks>.json
+for the outer test."""
 import json
 import os
 
