@@ -174,7 +174,10 @@ SHARED_LAUNCHES = (
                 "test_mismatch", "test_resync", "test_bad_node_comm")},
         "bench_masks_scenarios.py": {2: None, 4: None},
         "bench_allreduce_scenarios.py": {2: None, 4: None},
-        "readme_scenarios.py": {2: None}}),
+        "readme_scenarios.py": {2: None},
+        # the checkpoint it saves at 4 ranks, in the shared folder, is resumed at 2 ranks by a
+        # launch of its own, after this one (tests/test_torch_sync.py)
+        "sync_checkpoint_scenarios.py": {4: ("test_save_at_4_ranks",)}}),
     ("mpirun", {
         "hvd_compressor.py": {2: None, 4: ("test_ternary", "test_reducer", "test_bf16",
                                            "test_mismatch")},

@@ -15,6 +15,7 @@ from mpi_util import (  # tests/ is on sys.path (conftest.py)
     scenario_cases,
     scenario_names,
     shared_launches,
+    shared_workdir,
 )
 
 
@@ -93,19 +94,22 @@ def test_sync_scenario(ranks, scenario):
 
 
 CHECKPOINTS = "sync_checkpoint_scenarios.py"
-CHECKPOINT_LAUNCHES = {(4,): ("test_save_at_4_ranks",),  # first: the 2-rank launch resumes it
+# First the shared 4-rank launch, which saves a checkpoint in the shared folder; then a 2-rank
+# launch of its own resumes it (and runs the module's other scenarios).
+CHECKPOINT_LAUNCHES = {**shared_launches(CHECKPOINTS),
                        (2,): tuple(t for t in scenario_names(CHECKPOINTS)
                                    if t != "test_save_at_4_ranks")}
 
 
 @pytest.fixture(scope="module")
-def checkpoint_runs(tmp_path_factory):
-    env = (("PACMPI_TEST_WORKDIR", str(tmp_path_factory.mktemp("checkpoints"))),)
-    return {ranks: run_scenarios(CHECKPOINTS, ranks, only=only, timeout=150, env=env)
-            for (ranks,), only in CHECKPOINT_LAUNCHES.items()}
+def checkpoint_runs():
+    saved = run_scenarios(CHECKPOINTS, 4, only=CHECKPOINT_LAUNCHES[4,])
+    return {4: saved, 2: run_scenarios(CHECKPOINTS, 2, only=CHECKPOINT_LAUNCHES[2,], timeout=150,
+                                       env=(("PACMPI_TEST_WORKDIR", shared_workdir()),))}
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(SHARED_TIMEOUT + 210)  # the first waits for a shared launch and its own
 @pytest.mark.parametrize("ranks, scenario", scenario_cases(CHECKPOINTS, CHECKPOINT_LAUNCHES))
 def test_checkpoint_scenario(checkpoint_runs, ranks, scenario):
     """Resume is bit-exact (pactrain-ternary, topk); a checkpoint saved on 4 ranks resumes on
