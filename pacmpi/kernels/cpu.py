@@ -18,6 +18,12 @@ arguments are fixed-type (an empty array and a flag instead of None), so each ke
 compiled once per dtype combination, not once per combination of Nones. Arrays are indexed
 with unsigned integers (:func:`_at`): Numba then skips its negative-index wraparound, whose
 select on every address otherwise keeps LLVM from vectorizing the loops (5x slower).
+
+Why one file of ~950 lines, above the core's ~600: Numba's on-disk cache is invalidated by its
+function's own source file only ("changes in symbols defined in a different file" are not
+noticed: Numba's caching notes). Split, an edit of the scalar helpers (16-bit conversions,
+random numbers, ternary digits) would leave every cached kernel that inlined them stale, and the
+kernel-vs-reference tests would then test the old code. The sections below keep the jobs apart.
 """
 import functools
 import os
